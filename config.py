@@ -1,0 +1,197 @@
+"""Every training flag in one place (upstream A3G's names, short flags and defaults), and their validation.
+
+``build_parser()`` declares the flags; ``validate(args)`` checks the whole configuration before any process
+starts and returns every problem at once, each as one line a user can act on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from environment import EnvIdError, load_env_config, resolve_env_id
+
+DEFAULT_ENV = "PongNoFrameskip-v4"
+
+
+def str2bool(value: str) -> bool:
+    v = str(value).strip().lower()
+    if v in ("1", "true", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got '{value}'")
+
+
+class BoolFlag(argparse.Action):
+    """``--flag`` (true), ``--flag true|false`` (upstream habit, e.g. ``--amsgrad True``) and ``--no-flag``."""
+
+    def __init__(self, option_strings, dest, default=False, help=None, **kwargs):
+        strings = list(option_strings)
+        for s in option_strings:
+            if s.startswith("--"):
+                strings.append("--no-" + s[2:])
+        super().__init__(strings, dest, nargs="?", const=None, default=default, help=help, metavar="BOOL")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+        else:
+            setattr(namespace, self.dest, True if values is None else str2bool(values))
+
+
+def add_model_env_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by training and evaluation (same names as upstream)."""
+    p.add_argument("--env", "-ev", default=DEFAULT_ENV, help="environment id (default: %(default)s)")
+    p.add_argument("--env-config", "-evc", default="config.json", help="per-game crop table (default: %(default)s)")
+    p.add_argument("--max-episode-length", "-mel", type=int, default=10000,
+                   help="time limit of a game in agent steps (default: %(default)s)")
+    p.add_argument("--skip-rate", "-sk", type=int, default=4,
+                   help="frames per agent step for NoFrameskip ids (default: %(default)s)")
+    p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
+    p.add_argument("--seed", "-s", type=int, default=1, help="random seed; worker r uses seed + r (default: %(default)s)")
+    p.add_argument("--log-dir", "-lg", default="logs/", help="folder for logs and CSVs (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter if False else argparse.HelpFormatter)
+    add_model_env_flags(p)
+    p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
+    p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
+    p.add_argument("--value-coef", "-vc", type=float, default=0.5,
+                   help="value loss weight; 0.5 is upstream's fixed factor (default: %(default)s)")
+    p.add_argument("--gamma", "-g", type=float, default=0.99, help="discount (default: %(default)s)")
+    p.add_argument("--tau", "-t", type=float, default=1.00, help="GAE lambda (default: %(default)s)")
+    p.add_argument("--workers", "-w", type=int, default=os.cpu_count() or 1,
+                   help="training processes (default: the number of CPU cores, %(default)s here)")
+    p.add_argument("--num-steps", "-ns", type=int, default=20, help="rollout length in agent steps (default: %(default)s)")
+    p.add_argument("--shared-optimizer", "-so", action=BoolFlag, default=True,
+                   help="share the optimizer statistics between workers; --no-shared-optimizer gives each "
+                        "worker its own (default: on)")
+    p.add_argument("--load", "-ld", action=BoolFlag, default=False,
+                   help="resume from <load-model-dir>/<env>.ckpt, else start from <env>.dat")
+    p.add_argument("--save-max", "-sm", action=BoolFlag, default=False,
+                   help="write <env>.dat only when a test game scores >= the best so far")
+    p.add_argument("--optimizer", "-o", default="Adam", choices=["Adam", "RMSprop"],
+                   help="shared optimizer (default: %(default)s)")
+    p.add_argument("--load-model-dir", "-lmd", default="trained_models/", help="where --load looks (default: %(default)s)")
+    p.add_argument("--save-model-dir", "-smd", default="trained_models/",
+                   help="where <env>.dat and <env>.ckpt are written (default: %(default)s)")
+    p.add_argument("--gpu-ids", "-gp", type=int, nargs="+", default=[-1],
+                   help="GPUs for the workers, round-robin (A3G mode); -1 = CPU (default)")
+    p.add_argument("--amsgrad", "-a", action=BoolFlag, default=False, help="AMSGrad variant of Adam")
+    p.add_argument("--tensorboard-logger", "-tl", action=BoolFlag, default=False,
+                   help="write TensorBoard scalars to <log-dir>/runs/<env>_training")
+    p.add_argument("--distributed-step-size", "-dss", type=int, nargs="+", default=None,
+                   help="per-worker rollout lengths: worker r uses dss[r %% len] (default: --num-steps)")
+    # Beyond upstream: stop conditions, gradient clipping, monitor and checkpoint cadence.
+    p.add_argument("--max-steps", type=int, default=50_000_000,
+                   help="stop when the global agent-step count (all workers, resumed runs included) reaches "
+                        "this; 0 = no limit (default: %(default)s, i.e. 200M frames)")
+    p.add_argument("--max-seconds", type=float, default=0, help="stop after this many seconds; 0 = no limit")
+    p.add_argument("--target-score", type=float, default=None,
+                   help="stop when the monitor's mean over the last --score-window games reaches this")
+    p.add_argument("--score-window", type=int, default=10, help="games in the monitor's mean (default: %(default)s)")
+    p.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="clip each update's gradient to this L2 norm; 0 = off, upstream (default: %(default)s)")
+    p.add_argument("--test-every-steps", type=int, default=20000,
+                   help="the monitor starts a test game every this many global steps (default: %(default)s)")
+    p.add_argument("--test-every-seconds", type=float, default=0,
+                   help="... or every this many seconds, whichever comes first; 0 = off")
+    p.add_argument("--checkpoint-every-seconds", type=float, default=120,
+                   help="write the full checkpoint this often (and always at the end) (default: %(default)s)")
+    return p
+
+
+def validate_common(args: argparse.Namespace) -> list[str]:
+    """Problems with the env and model flags shared by training and evaluation."""
+    errors = []
+    try:
+        resolve_env_id(args.env)
+    except EnvIdError as e:
+        errors.append(str(e))
+    if not Path(args.env_config).is_file():
+        errors.append(f"env config '{args.env_config}' does not exist (use --env-config PATH to the crop table)")
+    else:
+        try:
+            load_env_config(args.env_config, args.env)
+        except (ValueError, OSError) as e:
+            errors.append(f"env config '{args.env_config}' is not valid: {e}")
+    for name, low in (("max_episode_length", 1), ("skip_rate", 1), ("hidden_size", 1)):
+        if getattr(args, name) < low:
+            errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    return errors
+
+
+def validate_gpu_ids(gpu_ids: list[int], flag: str = "--gpu-ids") -> list[str]:
+    if all(g < 0 for g in gpu_ids):
+        if len(gpu_ids) > 1:
+            return [f"{flag}: give -1 once for the CPU"]
+        return []
+    if any(g < 0 for g in gpu_ids):
+        return [f"{flag}: do not mix -1 (CPU) with GPU ids {gpu_ids}"]
+    if not torch.cuda.is_available():
+        return [f"{flag} {' '.join(map(str, gpu_ids))}: CUDA is not available on this machine "
+                f"(torch {torch.__version__}); use {flag} -1 to train on the CPU"]
+    n = torch.cuda.device_count()
+    bad = [g for g in gpu_ids if g >= n]
+    if bad:
+        return [f"{flag}: GPU {bad[0]} does not exist; this machine has {n} GPU(s), ids 0..{n - 1}"]
+    return []
+
+
+def validate_dir(path: str, flag: str) -> list[str]:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return [f"{flag} '{path}' is a file, not a folder"]
+    return []
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Every problem with the training configuration, each as one line (empty when all is well)."""
+    errors = validate_common(args)
+    checks = [
+        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
+        (0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma}"),
+        (0 <= args.tau <= 1, f"--tau must be in [0, 1], got {args.tau}"),
+        (args.entropy_coef >= 0, f"--entropy-coef must be >= 0, got {args.entropy_coef}"),
+        (args.value_coef >= 0, f"--value-coef must be >= 0, got {args.value_coef}"),
+        (args.workers >= 1, f"--workers must be >= 1, got {args.workers}"),
+        (args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}"),
+        (args.max_steps >= 0, f"--max-steps must be >= 0 (0 = no limit), got {args.max_steps}"),
+        (args.max_seconds >= 0, f"--max-seconds must be >= 0 (0 = no limit), got {args.max_seconds}"),
+        (args.score_window >= 1, f"--score-window must be >= 1, got {args.score_window}"),
+        (args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = off), got {args.max_grad_norm}"),
+        (args.test_every_steps >= 0, f"--test-every-steps must be >= 0, got {args.test_every_steps}"),
+        (args.test_every_seconds >= 0, f"--test-every-seconds must be >= 0, got {args.test_every_seconds}"),
+        (args.checkpoint_every_seconds > 0,
+         f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
+    ]
+    errors += [msg for ok, msg in checks if not ok]
+    if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
+        errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
+    errors += validate_gpu_ids(args.gpu_ids)
+    errors += validate_dir(args.save_model_dir, "--save-model-dir")
+    errors += validate_dir(args.log_dir, "--log-dir")
+    return errors
+
+
+def rollout_length(args: argparse.Namespace, rank: int) -> int:
+    """Worker ``rank``'s rollout length: ``dss[rank % len]`` when given, else ``--num-steps``."""
+    if args.distributed_step_size:
+        return args.distributed_step_size[rank % len(args.distributed_step_size)]
+    return args.num_steps
+
+
+def config_dict(args: argparse.Namespace) -> dict:
+    """The resolved configuration as plain values (saved in the log and in every checkpoint)."""
+    out = {}
+    for k, v in sorted(vars(args).items()):
+        out[k] = list(v) if isinstance(v, (list, tuple)) else v
+    return out

@@ -1,0 +1,319 @@
+"""Atari environments on gymnasium 1.x + ale-py, preprocessed as the A3G line of work expects.
+
+The stack, innermost first (see README, "Environment"):
+
+1. ``gymnasium.make(id)``; for ``XNoFrameskip`` ids ``NoopReset`` (1..30 raw NOOPs at a real reset) and
+   ``MaxAndSkip`` (repeat the action ``skip_rate`` times, sum the rewards, max over the last 3 raw frames);
+   other ids skip frames in the emulator.
+2. A time limit of ``max_episode_length`` agent steps (``truncated``).
+3. ``EpisodicLife`` for learners: a lost life ends the learner's episode (``terminated``) but not the game.
+4. ``FireReset`` when the game has a FIRE action.
+5. ``ProcessFrame``: crop, resize to 80x80, grayscale -> float32 (1, 80, 80) in 0..255.
+6. ``NormalizeFrame``: running scalar mean/std normalisation, per process.
+
+``terminated`` and ``truncated`` stay distinct at every layer: the learner bootstraps on truncation only.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import gymnasium as gym
+import numpy as np
+
+import ale_py
+
+gym.register_envs(ale_py)
+ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner per environment
+
+FRAME_SHAPE = (1, 80, 80)
+NOOP_MAX = 30
+MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines uses 2); kept for model compatibility
+
+_ID_RE = re.compile(r"^(?P<ale>ALE/)?(?P<game>[A-Za-z0-9]+?)(?P<variant>NoFrameskip|Deterministic)?-v(?P<version>\d+)$")
+
+
+class EnvIdError(ValueError):
+    """An environment id that ale-py cannot make; the message suggests close ids."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """How an accepted env id is built.
+
+    ``make_id`` is passed to ``gymnasium.make`` together with ``make_kwargs``; ``frameskip_by_us`` says whether
+    ``MaxAndSkip`` and ``NoopReset`` wrap it (``NoFrameskip`` ids) or the emulator skips frames itself.
+    """
+
+    env_id: str
+    game: str
+    make_id: str
+    make_kwargs: dict
+    frameskip_by_us: bool
+    frameskip: Any
+    repeat_action_probability: float
+
+
+def _atari_ids() -> list[str]:
+    ids = [k for k, s in gym.registry.items() if str(getattr(s, "entry_point", "")).startswith("ale_py")]
+    # Deterministic ids are no longer registered; we build them (frameskip 4) and accept them.
+    games = sorted({m.group("game") for k in ids if (m := _ID_RE.match(k)) and m.group("ale")})
+    ids += [f"{g}Deterministic-v4" for g in games] + [f"{g}Deterministic-v0" for g in games]
+    return sorted(ids)
+
+
+def resolve_env_id(env_id: str) -> EnvSpec:
+    """Map an accepted id (``XNoFrameskip-v4``, ``XNoFrameskip-v0``, ``ALE/X-v5``, ``X-v4``, ``X-v0``,
+    ``XDeterministic-v4``/``-v0``) to how it is made; raise ``EnvIdError`` naming close ids otherwise."""
+    if env_id in gym.registry and str(getattr(gym.registry[env_id], "entry_point", "")).startswith("ale_py"):
+        spec = gym.registry[env_id]
+        kw = dict(spec.kwargs)
+        fs = kw.get("frameskip", 4)
+        m = _ID_RE.match(env_id)
+        game = m.group("game") if m else kw.get("game", env_id)
+        return EnvSpec(env_id, game, env_id, {}, fs == 1, fs, float(kw.get("repeat_action_probability", 0.0)))
+    m = _ID_RE.match(env_id)
+    if m and m.group("variant") == "Deterministic" and not m.group("ale") and m.group("version") in ("0", "4"):
+        base = f"ALE/{m.group('game')}-v5"
+        if base in gym.registry:
+            rap = 0.25 if m.group("version") == "0" else 0.0
+            kw = {"frameskip": 4, "repeat_action_probability": rap, "full_action_space": False,
+                  "max_num_frames_per_episode": 108000}
+            return EnvSpec(env_id, m.group("game"), base, kw, False, 4, rap)
+    close = difflib.get_close_matches(env_id, _atari_ids(), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; Atari ids look like PongNoFrameskip-v4 or ALE/Pong-v5"
+    raise EnvIdError(f"unknown environment id '{env_id}'{hint}")
+
+
+def load_env_config(path: str | Path, env_id: str) -> dict:
+    """Per-game crop rows from ``config.json``: the last key that is a substring of ``env_id`` wins, else Default."""
+    with open(path) as f:
+        table = json.load(f)
+    conf = dict(table.get("Default", {"crop1": 34, "crop2": 34}))
+    for key, value in table.items():
+        if key != "Default" and key in env_id:
+            conf = dict(value)
+    for k in ("crop1", "crop2"):
+        if not isinstance(conf.get(k), int):
+            raise ValueError(f"env config {path}: entry for {env_id} needs integer '{k}'")
+    return conf
+
+
+def _reset_kwargs_without_seed(kwargs: dict) -> dict:
+    """Internal re-resets must not reseed (that would replay the same start forever)."""
+    return {k: v for k, v in kwargs.items() if k != "seed"}
+
+
+class NoopReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """At a real reset take 1..noop_max NOOPs (drawn from the env's RNG); reset again if the game ends meanwhile."""
+
+    def __init__(self, env: gym.Env, noop_max: int = NOOP_MAX):
+        gym.utils.RecordConstructorArgs.__init__(self, noop_max=noop_max)
+        gym.Wrapper.__init__(self, env)
+        self.noop_max = noop_max
+        assert env.unwrapped.get_action_meanings()[0] == "NOOP"
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        noops = int(self.env.unwrapped.np_random.integers(1, self.noop_max + 1))
+        for _ in range(noops):
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))
+        return obs, info
+
+
+class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """Repeat the action ``skip`` raw frames, sum the rewards, stop early at an episode end, and return the
+    element-wise max over the last ``MAX_OVER_FRAMES`` raw frames (removes Atari sprite flicker)."""
+
+    def __init__(self, env: gym.Env, skip: int = 4):
+        gym.utils.RecordConstructorArgs.__init__(self, skip=skip)
+        gym.Wrapper.__init__(self, env)
+        self.skip = skip
+        self._buf = np.zeros((MAX_OVER_FRAMES,) + env.observation_space.shape, dtype=env.observation_space.dtype)
+
+    def step(self, action):
+        total = 0.0
+        terminated = truncated = False
+        n = 0
+        info: dict = {}
+        for i in range(self.skip):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            self._buf[n % MAX_OVER_FRAMES] = obs
+            n += 1
+            total += float(reward)
+            if terminated or truncated:
+                break
+        frames = self._buf[: min(n, MAX_OVER_FRAMES)]
+        return frames.max(axis=0), total, terminated, truncated, info
+
+
+class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """A lost life ends the learner's episode (``terminated=True``) but not the game.
+
+    The ``reset`` that follows a lost life takes one NOOP step instead of a real reset; any other reset (after
+    game over, mid-episode, or with a seed) is a real one. ``info["game_over"]`` tells whether the game itself
+    ended (used to count games).
+    """
+
+    def __init__(self, env: gym.Env):
+        gym.utils.RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
+        self.lives = 0
+        self.life_lost = False
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        game_over = bool(terminated or truncated)
+        lives = self.env.unwrapped.ale.lives()
+        self.life_lost = not game_over and 0 < lives < self.lives
+        if self.life_lost:
+            terminated = True
+        self.lives = lives
+        info["game_over"] = game_over
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, **kwargs):
+        if self.life_lost and kwargs.get("seed") is None:
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))
+        else:
+            obs, info = self.env.reset(**kwargs)
+        self.life_lost = False
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
+class FireReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """Press FIRE (action 1) then action 2 after a reset, for games that wait for FIRE to start."""
+
+    def __init__(self, env: gym.Env):
+        gym.utils.RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
+
+    def reset(self, **kwargs):
+        self.env.reset(**kwargs)
+        for action in (1, 2):
+            obs, _, terminated, truncated, info = self.env.step(action)
+            if terminated or truncated:
+                obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))
+        return obs, info
+
+
+def process_frame(frame: np.ndarray, crop1: int, crop2: int) -> np.ndarray:
+    """210x160 RGB uint8 -> (1, 80, 80) float32 gray in 0..255.
+
+    Crop rows ``[crop1, crop2 + 160)``, resize with INTER_AREA to 80x80 (on uint8, cheaper than on floats),
+    then luminance 0.2989 R + 0.587 G + 0.114 B.
+    """
+    cropped = frame[crop1: crop2 + 160, :160]
+    small = cv2.resize(cropped, (80, 80), interpolation=cv2.INTER_AREA)
+    gray = small.astype(np.float32) @ np.array([0.2989, 0.587, 0.114], dtype=np.float32)
+    return gray.reshape(FRAME_SHAPE)
+
+
+class ProcessFrame(gym.ObservationWrapper, gym.utils.RecordConstructorArgs):
+    """Crop, resize and gray every frame (see ``process_frame``)."""
+
+    def __init__(self, env: gym.Env, crop1: int, crop2: int):
+        gym.utils.RecordConstructorArgs.__init__(self, crop1=crop1, crop2=crop2)
+        gym.ObservationWrapper.__init__(self, env)
+        self.crop1, self.crop2 = crop1, crop2
+        self.observation_space = gym.spaces.Box(0.0, 255.0, FRAME_SHAPE, dtype=np.float32)
+
+    def observation(self, observation):
+        return process_frame(observation, self.crop1, self.crop2)
+
+
+class NormalizeFrame(gym.ObservationWrapper, gym.utils.RecordConstructorArgs):
+    """Running scalar normalisation with bias correction: ``(x - mean) / (std + 1e-8)``.
+
+    mean and std are exponential averages (``alpha``) of each frame's mean and std, divided by
+    ``1 - alpha**n``. The statistics can be saved (``get_stats``) and restored (``set_stats``); a reset with a
+    seed restarts from the statistics last set, so seeded resets are reproducible.
+    """
+
+    def __init__(self, env: gym.Env, alpha: float = 0.9999):
+        gym.utils.RecordConstructorArgs.__init__(self, alpha=alpha)
+        gym.ObservationWrapper.__init__(self, env)
+        self.alpha = alpha
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, FRAME_SHAPE, dtype=np.float32)
+        self._initial = (0.0, 0.0, 0)
+        self.state_mean, self.state_std, self.num_steps = self._initial
+
+    def get_stats(self) -> tuple[float, float, int]:
+        return float(self.state_mean), float(self.state_std), int(self.num_steps)
+
+    def set_stats(self, mean: float, std: float, num_steps: int) -> None:
+        self._initial = (float(mean), float(std), int(num_steps))
+        self.state_mean, self.state_std, self.num_steps = self._initial
+
+    def reset(self, **kwargs):
+        if kwargs.get("seed") is not None:
+            self.state_mean, self.state_std, self.num_steps = self._initial
+        return super().reset(**kwargs)
+
+    def observation(self, observation):
+        a = self.alpha
+        self.state_mean = self.state_mean * a + float(observation.mean()) * (1 - a)
+        self.state_std = self.state_std * a + float(observation.std()) * (1 - a)
+        self.num_steps += 1
+        correction = 1 - a ** self.num_steps
+        mean = self.state_mean / correction
+        std = self.state_std / correction
+        return ((observation - np.float32(mean)) / np.float32(std + 1e-8)).astype(np.float32, copy=False)
+
+
+def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, skip_rate: int = 4,
+              episodic_life: bool = True, render_mode: str | None = None) -> gym.Env:
+    """Build the full preprocessed stack for ``env_id`` (see module docstring).
+
+    ``episodic_life`` is on for learners and off for the monitor and evaluation, which play whole games.
+    """
+    spec = resolve_env_id(env_id)
+    kwargs = dict(spec.make_kwargs)
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
+    env = gym.make(spec.make_id, **kwargs)
+    if spec.frameskip_by_us:
+        env = NoopReset(env, NOOP_MAX)
+        env = MaxAndSkip(env, skip_rate)
+    # agent steps (the reset's NOOPs do not count; FIRE presses and the NOOP after a lost life do)
+    env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
+    if episodic_life:
+        env = EpisodicLife(env)
+    if "FIRE" in env.unwrapped.get_action_meanings():
+        env = FireReset(env)
+    env = ProcessFrame(env, env_conf["crop1"], env_conf["crop2"])
+    env = NormalizeFrame(env)
+    return env
+
+
+def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_life: bool) -> dict:
+    """The evaluation protocol in words and numbers, so a score can be compared with papers."""
+    spec = resolve_env_id(env_id)
+    return {
+        "env_id": env_id,
+        "frameskip": skip_rate if spec.frameskip_by_us else spec.frameskip,
+        "max_over_frames": MAX_OVER_FRAMES if spec.frameskip_by_us else 1,
+        "repeat_action_probability": spec.repeat_action_probability,
+        "noop_starts": NOOP_MAX if spec.frameskip_by_us else 0,
+        "episodic_life": episodic_life,
+        "time_limit_agent_steps": max_episode_length,
+        "full_action_space": False,
+    }
+
+
+def normalizer(env: gym.Env) -> NormalizeFrame:
+    """The ``NormalizeFrame`` layer of a stack built by ``atari_env``."""
+    e = env
+    while not isinstance(e, NormalizeFrame):
+        e = e.env
+    return e

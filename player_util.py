@@ -1,0 +1,187 @@
+"""The agent a worker drives: acting in its environment, and one A3C update from a rollout.
+
+Acting runs under ``torch.no_grad`` and keeps only what the update needs (frames, actions, rewards, the LSTM state
+at the rollout's start). The update replays the rollout with gradients through ``A3Clstm.unroll``: the
+convolutions batched over the rollout, the LSTM stepped in order from the saved state. With the weights unchanged
+during the rollout (the local copy is synced only between rollouts) this is the same computation graph as
+upstream's forward-with-grad at every step, and the same gradient (tested against that slow path), at a
+fraction of the cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from losses import A3CLoss, a3c_loss, bootstrap_value
+from model import A3Clstm
+
+
+@dataclass
+class Rollout:
+    """One agent's rollout: ``frames (T, 1, 80, 80)``, ``actions (T,)``, clipped ``rewards (T,)``, the LSTM state
+    before the first step, and how it ended."""
+
+    frames: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    state: tuple[torch.Tensor, torch.Tensor]
+    terminated: bool
+    truncated: bool
+    bootstrap: float
+
+
+class Agent:
+    """An environment, a local model on ``device``, and the LSTM state carried between rollouts."""
+
+    def __init__(self, model: A3Clstm, env: gym.Env, device: torch.device, seed: int | None = None):
+        self.model = model
+        self.env = env
+        self.device = device
+        self.seed = seed
+        self.hx, self.cx = model.initial_state(1, device)
+        self.obs = None
+        self.episode_done = True  # start with a reset
+        self.episode_reward = 0.0  # unclipped, over the learner's (life-long) episode
+        self.episode_length = 0
+
+    def _frame(self, obs: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(obs).to(self.device).unsqueeze(0)
+
+    def reset(self) -> None:
+        """Reset the environment (a real reset, or the next life) and zero the LSTM state."""
+        if self.seed is not None:
+            obs, _ = self.env.reset(seed=self.seed)
+            self.seed = None
+        else:
+            obs, _ = self.env.reset()
+        self.obs = self._frame(obs)
+        self.hx.zero_()
+        self.cx.zero_()
+        self.episode_done = False
+        self.episode_reward = 0.0
+        self.episode_length = 0
+
+    @torch.no_grad()
+    def rollout(self, num_steps: int, greedy: bool = False) -> Rollout:
+        """Act up to ``num_steps`` steps, stopping early at an episode end (a lost life included for learners).
+
+        The LSTM state handed over in the result is detached (no gradient crosses rollouts).
+        """
+        if self.episode_done:
+            self.reset()
+        state = (self.hx.clone(), self.cx.clone())
+        frames, actions, rewards = [], [], []
+        hx, cx = self.hx, self.cx
+        terminated = truncated = False
+        for _ in range(num_steps):
+            frames.append(self.obs)
+            _, logits, (hx, cx) = self.model(self.obs, (hx, cx))
+            if greedy:
+                action = int(logits.argmax(1))
+            else:
+                action = int(torch.multinomial(F.softmax(logits, dim=1), 1))
+            obs, reward, terminated, truncated, _ = self.env.step(action)
+            self.obs = self._frame(obs)
+            actions.append(action)
+            rewards.append(max(-1.0, min(1.0, float(reward))))
+            self.episode_reward += float(reward)
+            self.episode_length += 1
+            if terminated or truncated:
+                break
+        self.hx, self.cx = hx, cx
+        if terminated:
+            bootstrap = 0.0
+        else:  # cut by num_steps or by the time limit: bootstrap from V(s_T)
+            value, _, _ = self.model(self.obs, (hx, cx))
+            bootstrap = bootstrap_value(False, value)
+        self.episode_done = terminated or truncated
+        return Rollout(torch.cat(frames), torch.tensor(actions, device=self.device),
+                       torch.tensor(rewards, dtype=torch.float32), state, terminated, truncated, bootstrap)
+
+
+def rollout_loss(model: A3Clstm, rollout: Rollout, *, gamma: float, tau: float, entropy_coef: float,
+                 value_coef: float) -> A3CLoss:
+    """Replay ``rollout`` through ``model`` with gradients and return the A3C loss terms."""
+    values, logits = model.unroll(rollout.frames, rollout.state)
+    return a3c_loss(logits, values, rollout.actions, rollout.rewards.to(values.device), rollout.bootstrap,
+                    gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef)
+
+
+def stepwise_rollout_loss(model: A3Clstm, rollout: Rollout, *, gamma: float, tau: float, entropy_coef: float,
+                          value_coef: float) -> A3CLoss:
+    """The slow reference: one batch-1 forward per step with gradients, as upstream does. Used by the tests."""
+    hx, cx = rollout.state
+    values, logits = [], []
+    for t in range(rollout.frames.shape[0]):
+        v, lg, (hx, cx) = model(rollout.frames[t: t + 1], (hx, cx))
+        values.append(v.view(1))
+        logits.append(lg)
+    return a3c_loss(torch.cat(logits), torch.cat(values), rollout.actions, rollout.rewards, rollout.bootstrap,
+                    gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef)
+
+
+class GradientHandoff:
+    """Hands a worker's fresh local gradients to the shared model, explicitly, on every update.
+
+    The shared parameters' ``.grad`` is per process. Upstream aliased it to the local grad tensor once and
+    relied on ``zero_grad`` zeroing that tensor in place; since torch 2.0 ``zero_grad`` sets grads to None, so
+    the alias kept the first gradient forever (a3g.md section 7.1). Here each update *assigns* (CPU, no copy)
+    or *copies* (GPU -> preallocated host buffers) the current gradient, so the optimizer always sees this
+    update's gradient.
+    """
+
+    def __init__(self, local: torch.nn.Module, shared: torch.nn.Module):
+        self.pairs = list(zip(local.parameters(), shared.parameters()))
+        self.buffers = None
+        if any(lp.device.type != "cpu" for lp, _ in self.pairs):
+            pin = torch.cuda.is_available()
+            self.buffers = [torch.empty(sp.shape, dtype=sp.dtype, pin_memory=pin) for _, sp in self.pairs]
+
+    def __call__(self) -> None:
+        for i, (lp, sp) in enumerate(self.pairs):
+            if lp.grad is None:
+                sp.grad = None
+            elif self.buffers is None:
+                sp.grad = lp.grad
+            else:
+                self.buffers[i].copy_(lp.grad)
+                sp.grad = self.buffers[i]
+
+
+@torch.no_grad()
+def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
+    """Copy the shared weights into the local model's existing tensors (cheaper than ``load_state_dict``)."""
+    for lp, sp in zip(local.parameters(), shared.parameters()):
+        lp.copy_(sp)
+
+
+@torch.no_grad()
+def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int | None = None,
+              should_stop=None, on_frame=None) -> tuple[float, int, bool]:
+    """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
+
+    Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives, and False when
+    ``should_stop()`` became true mid-game. ``on_frame(env)`` is called after the reset and after every step
+    (rendering, recording).
+    """
+    obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
+    hx, cx = model.initial_state(1, device)
+    score, length = 0.0, 0
+    if on_frame is not None:
+        on_frame(env)
+    while True:
+        if should_stop is not None and should_stop():
+            return score, length, False
+        x = torch.from_numpy(obs).to(device).unsqueeze(0)
+        _, logits, (hx, cx) = model(x, (hx, cx))
+        obs, reward, terminated, truncated, _ = env.step(int(logits.argmax(1)))
+        score += float(reward)
+        length += 1
+        if on_frame is not None:
+            on_frame(env)
+        if terminated or truncated:
+            return score, length, True

@@ -1,0 +1,110 @@
+"""Optimizers whose statistics live in shared memory, for hogwild training.
+
+``SharedAdam`` and ``SharedRMSprop`` are ``torch.optim.Adam`` and ``torch.optim.RMSprop`` whose per-parameter state
+(``step`` counts included) is created eagerly and moved to shared memory before the workers start. Every worker
+process steps the same statistics without locks (A3C's "shared RMSProp", Mnih et al. 2016, section 4). Because
+the update arithmetic is torch's own, a shared optimizer equals ``torch.optim`` step for step (tested).
+
+The defaults are upstream A3G's: Adam eps 1e-3, RMSprop alpha 0.99 and eps 0.1.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class _SharedStateMixin:
+    """Create every state tensor up front and put it in shared memory; load checkpoints in place."""
+
+    def _make_shared_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                for key, value in self._initial_state(group, p).items():
+                    state[key] = value
+        self.share_memory()
+
+    def share_memory(self) -> "_SharedStateMixin":
+        for state in self.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.share_memory_()
+        return self
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a saved state into the existing shared tensors (the base class would replace them with private
+        ones, silently un-sharing the statistics)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("optimizer state has a different number of parameter groups")
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError("optimizer state has a different number of parameters")
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id, {})
+            for key, value in saved.items():
+                if key not in self.state[p]:
+                    continue
+                target = self.state[p][key]
+                if target.shape != value.shape:
+                    raise ValueError(f"optimizer state '{key}' has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(value)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
+
+
+class SharedAdam(_SharedStateMixin, torch.optim.Adam):
+    """Adam (optionally AMSGrad) with shared ``step``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq``."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-4, betas=(0.9, 0.999),
+                 eps: float = 1e-3, weight_decay: float = 0.0, amsgrad: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         foreach=False)
+        self._make_shared_state()
+
+    @staticmethod
+    def _initial_state(group: dict, p: torch.Tensor) -> dict:
+        state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p)
+        return state
+
+
+class SharedRMSprop(_SharedStateMixin, torch.optim.RMSprop):
+    """RMSprop with shared ``step`` and ``square_avg`` (and ``momentum_buffer`` / ``grad_avg`` when used)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 7e-4, alpha: float = 0.99,
+                 eps: float = 0.1, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False):
+        super().__init__(params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                         centered=centered, foreach=False)
+        self._make_shared_state()
+
+    @staticmethod
+    def _initial_state(group: dict, p: torch.Tensor) -> dict:
+        state = {"step": torch.tensor(0.0), "square_avg": torch.zeros_like(p)}
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        if group["centered"]:
+            state["grad_avg"] = torch.zeros_like(p)
+        return state
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, amsgrad: bool = False,
+                   shared: bool = True) -> torch.optim.Optimizer:
+    """``SharedAdam``/``SharedRMSprop`` when ``shared``, else a private ``torch.optim`` one with the same settings
+    (each worker keeps its own statistics, upstream's ``--shared-optimizer False``)."""
+    if name == "Adam":
+        if shared:
+            return SharedAdam(params, lr=lr, amsgrad=amsgrad)
+        return torch.optim.Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad)
+    if name == "RMSprop":
+        if shared:
+            return SharedRMSprop(params, lr=lr)
+        return torch.optim.RMSprop(params, lr=lr, alpha=0.99, eps=0.1)
+    raise ValueError(f"unknown optimizer '{name}' (use Adam or RMSprop)")

@@ -1,0 +1,136 @@
+"""The monitor: plays greedy whole games with the latest shared weights, logs them, and saves the model.
+
+Cadence: a game starts every ``--test-every-steps`` global agent steps (or ``--test-every-seconds``, whichever
+comes first), so on a small machine it costs a few percent of the workers' time instead of a core.
+
+Per game it writes the upstream line to ``<log-dir>/<env>_log`` (appended), one row to
+``<log-dir>/<env>_monitor.csv``, a console line with global steps and steps/s, and, with
+``--tensorboard-logger``, scalars under ``charts/``. It writes ``<save-model-dir>/<env>.dat`` after every game
+(with ``--save-max`` only when the score is >= the best so far, best starting at 0 as upstream).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import time
+import traceback
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from checkpoint import atomic_save, cpu_state_dict, model_path
+from config import config_dict
+from environment import atari_env, load_env_config, normalizer
+from model import A3Clstm
+from player_util import play_game, sync_weights
+from run_state import RunState
+from utils import format_duration, safe_name, setup_child_process, setup_logger, use_device, worker_device
+
+CSV_FIELDS = ["wall_time", "elapsed_s", "global_steps", "score", "length", "steps_per_s", "reward_mean",
+              "window_mean"]
+
+
+def csv_path(log_dir: str | Path, env_id: str) -> Path:
+    return Path(log_dir) / f"{safe_name(env_id)}_monitor.csv"
+
+
+def log_path(log_dir: str | Path, env_id: str) -> Path:
+    return Path(log_dir) / f"{safe_name(env_id)}_log"
+
+
+def open_csv(path: Path):
+    """Open the per-game CSV for appending; write the header only to a new file."""
+    new = not path.exists() or path.stat().st_size == 0
+    f = open(path, "a", newline="")
+    writer = csv.writer(f)
+    if new:
+        writer.writerow(CSV_FIELDS)
+        f.flush()
+    return f, writer
+
+
+def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
+                elapsed_offset: float = 0.0) -> None:
+    """The monitor loop (see module docstring); returns when ``run.stop`` is set."""
+    env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
+                    skip_rate=args.skip_rate, episodic_life=False)
+    mean, std, count = run.norm_stats[run.workers].tolist()
+    if count > 0:
+        normalizer(env).set_stats(mean, std, int(count))
+    model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
+    log = setup_logger(f"monitor.{safe_name(args.env)}", log_path(args.log_dir, args.env))
+    console = setup_logger("monitor.console", None, console=True)
+    for k, v in config_dict(args).items():
+        log.info(f"{k}: {v}")
+    f, writer = open_csv(csv_path(args.log_dir, args.env))
+    tb = None
+    if args.tensorboard_logger:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
+    start = time.time()
+    best_saved = 0.0 if run.monitor[2].item() == -math.inf else max(0.0, run.monitor[2].item())
+    last_t, last_steps = start, run.global_steps.value
+    seed = args.seed + run.workers
+    try:
+        while not run.stop.is_set():
+            steps_at_start = run.global_steps.value
+            sync_weights(model, shared_model)
+            score, length, finished = play_game(model, env, device, seed=seed, should_stop=run.stop.is_set)
+            seed = None
+            if not finished:
+                break
+            now, steps = time.time(), run.global_steps.value
+            rate = (steps - last_steps) / max(now - last_t, 1e-9)
+            last_t, last_steps = now, steps
+            window_mean = run.record_game(score)
+            games, total = run.monitor[0].item(), run.monitor[1].item()
+            reward_mean = total / games
+            elapsed = elapsed_offset + now - start
+            log.info(f"Time {format_duration(elapsed)}, episode reward {score}, episode length {length}, "
+                     f"reward mean {reward_mean:.4f}")
+            console.info(f"[monitor] steps {steps:,} ({rate:.0f} steps/s) | game {int(games)}: score {score:g}, "
+                         f"length {length}, mean {reward_mean:.2f}"
+                         + (f", last {run.recent.numel()} mean {window_mean:.2f}" if window_mean is not None else ""))
+            writer.writerow([f"{now:.3f}", f"{elapsed:.1f}", steps, score, length, f"{rate:.1f}", f"{reward_mean:.4f}",
+                             "" if window_mean is None else f"{window_mean:.4f}"])
+            f.flush()
+            if tb is not None:
+                tb.add_scalar("charts/episode_reward", score, steps)
+                tb.add_scalar("charts/episode_length", length, steps)
+                tb.add_scalar("charts/steps_per_s", rate, steps)
+                tb.flush()
+            if not args.save_max or score >= best_saved:
+                best_saved = max(best_saved, score)
+                atomic_save(cpu_state_dict(model), model_path(args.save_model_dir, args.env))
+            m, s, n = normalizer(env).get_stats()
+            run.norm_stats[run.workers] = torch.tensor([m, s, float(n)], dtype=torch.float64)
+            if args.target_score is not None and window_mean is not None and window_mean >= args.target_score:
+                console.info(f"[monitor] target score {args.target_score:g} reached: mean {window_mean:.2f} over "
+                             f"the last {run.recent.numel()} games")
+                run.target_reached.set()
+            # wait for the next game: by global steps and/or seconds
+            t0 = time.time()
+            while not run.stop.is_set():
+                by_steps = args.test_every_steps > 0 and run.global_steps.value - steps_at_start >= args.test_every_steps
+                by_time = args.test_every_seconds > 0 and time.time() - t0 >= args.test_every_seconds
+                if by_steps or by_time or (args.test_every_steps == 0 and args.test_every_seconds == 0):
+                    break
+                run.stop.wait(0.2)
+    finally:
+        f.close()
+        if tb is not None:
+            tb.close()
+
+
+def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: float = 0.0) -> None:
+    """Process entry point of the monitor; it uses the last of ``--gpu-ids`` (or the CPU)."""
+    setup_child_process("monitor")
+    device = worker_device(args.gpu_ids, len(args.gpu_ids) - 1)
+    try:
+        use_device(device)
+        run_monitor(args, shared_model, run, device, elapsed_offset)
+    except BaseException as e:
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            run.errors.put(("monitor", "".join(traceback.format_exception(e))))
+        raise SystemExit(1)

@@ -1,0 +1,225 @@
+"""The environment stack: wrappers on a fake Atari first, then on real ALE (ROMs ship with ale-py)."""
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from environment import (EnvIdError, EpisodicLife, FireReset, MaxAndSkip, NoopReset, atari_env, load_env_config,
+                         normalizer, process_frame, protocol, resolve_env_id)
+
+
+class FakeALE:
+    def __init__(self):
+        self.lives_left = 3
+
+    def lives(self):
+        return self.lives_left
+
+
+class FakeAtari(gym.Env):
+    """Frames are filled with the step index; a life is lost at every ``life_every`` steps; game over at 0 lives."""
+
+    observation_space = gym.spaces.Box(0, 255, (210, 160, 3), np.uint8)
+    action_space = gym.spaces.Discrete(4)
+
+    def __init__(self, life_every=5, lives=3):
+        self.ale = FakeALE()
+        self.life_every, self.start_lives = life_every, lives
+        self.t = 0
+        self.resets = 0
+        self.actions = []
+
+    def get_action_meanings(self):
+        return ["NOOP", "FIRE", "RIGHT", "LEFT"]
+
+    def _frame(self):
+        return np.full((210, 160, 3), self.t % 256, np.uint8)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.resets += 1
+        self.ale.lives_left = self.start_lives
+        return self._frame(), {}
+
+    def step(self, action):
+        self.actions.append(action)
+        self.t += 1
+        if self.t % self.life_every == 0:
+            self.ale.lives_left -= 1
+        return self._frame(), 1.0, self.ale.lives_left == 0, False, {}
+
+
+def test_max_and_skip_sums_rewards_and_maxes_last_frames():
+    env = MaxAndSkip(FakeAtari(life_every=100), skip=4)
+    env.reset()
+    obs, reward, terminated, truncated, _ = env.step(2)
+    assert reward == 4.0 and not terminated and not truncated
+    assert obs.max() == 4 and obs.min() == 4  # max over the last frames (values 2, 3, 4)
+    assert env.env.actions == [2, 2, 2, 2]
+
+
+def test_max_and_skip_stops_early_at_game_end():
+    env = MaxAndSkip(FakeAtari(life_every=1, lives=2), skip=4)
+    env.reset()
+    _, reward, terminated, _, _ = env.step(0)
+    assert terminated and reward == 2.0
+
+
+def test_noop_reset_takes_between_1_and_30_noops():
+    counts = set()
+    for seed in range(20):
+        inner = FakeAtari(life_every=1000)
+        env = NoopReset(inner)
+        env.reset(seed=seed)
+        assert all(a == 0 for a in inner.actions)
+        counts.add(len(inner.actions))
+    assert min(counts) >= 1 and max(counts) <= 30 and len(counts) > 3
+
+
+def test_episodic_life_semantics():
+    inner = FakeAtari(life_every=3, lives=2)
+    env = EpisodicLife(inner)
+    env.reset()
+    steps = [env.step(0) for _ in range(3)]
+    _, _, terminated, truncated, info = steps[-1]
+    assert terminated and not truncated and info["game_over"] is False  # a life lost, the game goes on
+    env.reset()
+    assert inner.resets == 1  # no real reset after a lost life: one NOOP step instead
+    for _ in range(2):
+        env.step(0)
+    _, _, terminated, _, info = env.step(0)
+    assert terminated and info["game_over"] is True
+    env.reset()
+    assert inner.resets == 2  # game over: a real reset
+    env.step(0)
+    env.reset(seed=5)
+    assert inner.resets == 3  # a reset mid-game (or seeded) is a real one
+
+
+def test_fire_reset_presses_fire_then_2():
+    inner = FakeAtari(life_every=1000)
+    env = FireReset(inner)
+    env.reset()
+    assert inner.actions == [1, 2]
+
+
+def test_process_frame_crop_resize_gray():
+    frame = np.zeros((210, 160, 3), np.uint8)
+    frame[34:194] = [255, 255, 255]  # the Pong crop is all white
+    out = process_frame(frame, 34, 34)
+    assert out.shape == (1, 80, 80) and out.dtype == np.float32
+    assert np.allclose(out, 255 * (0.2989 + 0.587 + 0.114), atol=1e-3)
+    frame[:] = 0
+    frame[34:194, :, 0] = 100  # red only
+    assert np.allclose(process_frame(frame, 34, 34), 29.89, atol=1e-3)
+
+
+def test_env_config_lookup(env_config):
+    assert load_env_config(env_config, "SpaceInvadersNoFrameskip-v4") == {"crop1": 8, "crop2": 36}
+    assert load_env_config(env_config, "PongNoFrameskip-v4") == {"crop1": 34, "crop2": 34}
+    assert load_env_config(env_config, "FreewayNoFrameskip-v4") == {"crop1": 34, "crop2": 34}  # Default
+
+
+@pytest.mark.parametrize("env_id,skip_by_us,rap", [
+    ("PongNoFrameskip-v4", True, 0.0), ("PongNoFrameskip-v0", True, 0.25), ("ALE/Pong-v5", False, 0.25),
+    ("Pong-v4", False, 0.0), ("Pong-v0", False, 0.25), ("PongDeterministic-v4", False, 0.0)])
+def test_accepted_ids(env_id, skip_by_us, rap):
+    spec = resolve_env_id(env_id)
+    assert spec.frameskip_by_us == skip_by_us and spec.repeat_action_probability == rap
+
+
+def test_unknown_id_suggests_close_ids():
+    with pytest.raises(EnvIdError, match="did you mean.*PongNoFrameskip-v4"):
+        resolve_env_id("PongNoFrameSkip-v4")  # upstream's default typo
+    with pytest.raises(EnvIdError, match="unknown environment id 'CartPole-v1'"):
+        resolve_env_id("CartPole-v1")
+
+
+def make(env_id="PongNoFrameskip-v4", **kw):
+    return atari_env(env_id, load_env_config("config.json", env_id), **kw)
+
+
+def test_real_pong_api_shapes_dtype():
+    env = make()
+    obs, info = env.reset(seed=0)
+    assert env.observation_space == gym.spaces.Box(-np.inf, np.inf, (1, 80, 80), np.float32)
+    assert obs.shape == (1, 80, 80) and obs.dtype == np.float32
+    assert env.action_space.n == 6
+    out = env.step(0)
+    assert len(out) == 5 and isinstance(out[2], bool) and isinstance(out[3], bool)
+    assert out[0] in env.observation_space
+
+
+def test_real_pong_is_seeded():
+    a, b = make(), make()
+    oa, _ = a.reset(seed=7)
+    ob, _ = b.reset(seed=7)
+    assert np.array_equal(oa, ob)
+    for _ in range(30):
+        ra, rb = a.step(3), b.step(3)
+        assert np.array_equal(ra[0], rb[0]) and ra[1] == rb[1]
+
+
+@pytest.mark.parametrize("env_id", ["PongNoFrameskip-v4", "BreakoutNoFrameskip-v4", "ALE/Pong-v5"])
+def test_gymnasium_env_checker_passes(env_id):
+    check_env(make(env_id), skip_render_check=True)
+
+
+@pytest.mark.parametrize("env_id", ["PongNoFrameskip-v4", "ALE/Pong-v5"])
+def test_time_limit_in_agent_steps_truncates_not_terminates(env_id):
+    env = make(env_id, max_episode_length=12, episodic_life=False)
+    env.reset(seed=0)
+    results = [env.step(0) for _ in range(10)]  # Pong's FIRE reset already took 2 agent steps of the game
+    assert [r[3] for r in results] == [False] * 9 + [True]
+    assert not any(r[2] for r in results)
+
+
+def test_real_breakout_episodic_life():
+    env = make("BreakoutNoFrameskip-v4", episodic_life=True)
+    ale = env.unwrapped.ale
+    env.reset(seed=0)
+    assert ale.lives() == 5
+    frame_before = None
+    for _ in range(2000):  # NOOP never moves the paddle: the ball is lost
+        obs, reward, terminated, truncated, info = env.step(0)
+        if terminated:
+            break
+    assert terminated and not truncated and info["game_over"] is False and ale.lives() == 4
+    frames_then = ale.getEpisodeFrameNumber()
+    env.reset()
+    assert ale.getEpisodeFrameNumber() > frames_then  # the same game continues: no real reset
+    assert ale.lives() == 4
+
+
+def test_whole_games_without_episodic_life():
+    env = make("BreakoutNoFrameskip-v4", episodic_life=False)
+    env.reset(seed=0)
+    ale = env.unwrapped.ale
+    lives_seen = set()
+    for _ in range(20000):  # FIRE relaunches the ball after each lost life; the paddle never moves
+        _, _, terminated, truncated, _ = env.step(1)
+        lives_seen.add(ale.lives())
+        if terminated or truncated:
+            break
+    assert terminated and 1 in lives_seen and 5 in lives_seen  # the game went through all lives
+
+
+def test_normalizer_stats_roundtrip_and_seeded_reset():
+    env = make()
+    env.reset(seed=1)
+    for _ in range(5):
+        env.step(0)
+    stats = normalizer(env).get_stats()
+    assert stats[2] == 6 + 0 and stats[1] > 0  # reset frame + 5 steps
+    other = make()
+    normalizer(other).set_stats(*stats)
+    assert normalizer(other).get_stats() == stats
+    o1, _ = other.reset(seed=3)
+    o2, _ = other.reset(seed=3)
+    assert np.array_equal(o1, o2)  # a seeded reset restarts from the statistics set
+
+
+def test_protocol_words():
+    p = protocol("PongNoFrameskip-v0", max_episode_length=10000, skip_rate=4, episodic_life=False)
+    assert p["repeat_action_probability"] == 0.25 and p["frameskip"] == 4 and p["noop_starts"] == 30

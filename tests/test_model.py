@@ -1,0 +1,124 @@
+"""The model contract: the 16 upstream keys and shapes, strict loading of upstream files, output shapes, the
+batched replay equal to step-by-step forwards, and the upstream initialisation."""
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from checkpoint import ModelFileError, check_state_dict, read_weights, state_dict_of
+from model import A3Clstm, expected_shapes, num_parameters
+
+KEYS = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "conv3.weight", "conv3.bias", "conv4.weight",
+        "conv4.bias", "lstm.weight_ih", "lstm.weight_hh", "lstm.bias_ih", "lstm.bias_hh", "critic_linear.weight",
+        "critic_linear.bias", "actor_linear.weight", "actor_linear.bias"]
+
+
+def test_state_dict_keys_shapes_and_size():
+    m = A3Clstm(1, 6)
+    sd = m.state_dict()
+    assert list(sd.keys()) == KEYS
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected_shapes(6, 512)
+    assert sd["lstm.weight_ih"].shape == (2048, 1024) and sd["actor_linear.weight"].shape == (6, 512)
+    assert num_parameters(m) == 3_249_639
+
+
+def test_hidden_size_flag_changes_shapes():
+    sd = A3Clstm(1, 4, hidden_size=256).state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected_shapes(4, 256)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_output_shapes(batch):
+    m = A3Clstm(1, 6)
+    hx, cx = m.initial_state(batch)
+    value, logits, (hx2, cx2) = m(torch.randn(batch, 1, 80, 80), (hx, cx))
+    assert value.shape == (batch, 1) and logits.shape == (batch, 6)
+    assert hx2.shape == cx2.shape == (batch, 512)
+
+
+def test_batch_rows_are_independent():
+    m = A3Clstm(1, 6, 64)
+    x = torch.randn(8, 1, 80, 80)
+    state = (torch.randn(8, 64), torch.randn(8, 64))
+    v8, l8, _ = m(x, state)
+    v1, l1, _ = m(x[3:4], (state[0][3:4], state[1][3:4]))
+    assert torch.allclose(v8[3], v1[0], atol=1e-5) and torch.allclose(l8[3], l1[0], atol=1e-5)
+
+
+def test_unroll_equals_stepwise_forward_and_channels_last_is_the_same_function():
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64)
+    fast = A3Clstm(1, 6, 64).channels_last()
+    fast.load_state_dict(m.state_dict())
+    frames = torch.randn(5, 1, 80, 80)
+    state = (torch.randn(1, 64), torch.randn(1, 64))
+    values, logits = [], []
+    hx, cx = state
+    for t in range(5):
+        v, lg, (hx, cx) = m(frames[t:t + 1], (hx, cx))
+        values.append(v.view(1))
+        logits.append(lg)
+    for model in (m, fast):
+        uv, ul = model.unroll(frames, state)
+        assert torch.allclose(uv, torch.cat(values), atol=1e-5)
+        assert torch.allclose(ul, torch.cat(logits), atol=1e-5)
+
+
+def test_upstream_initialisation():
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6)
+    h = 512
+    assert torch.allclose(m.actor_linear.weight.norm(dim=1), torch.full((6,), 0.01), atol=1e-6)
+    assert torch.allclose(m.critic_linear.weight.norm(dim=1), torch.ones(1), atol=1e-6)
+    assert m.actor_linear.bias.abs().sum() == 0 and m.critic_linear.bias.abs().sum() == 0
+    assert torch.all(m.lstm.bias_ih[h:2 * h] == 1) and m.lstm.bias_ih[:h].abs().sum() == 0
+    assert m.lstm.bias_ih[2 * h:].abs().sum() == 0 and m.lstm.bias_hh.abs().sum() == 0
+    w = m.lstm.weight_hh  # orthogonal: W^T W = I (W is 4H x H)
+    assert torch.allclose(w.T @ w, torch.eye(h), atol=1e-4)
+    for conv in (m.conv1, m.conv2, m.conv3, m.conv4):
+        assert conv.bias.abs().sum() == 0
+        fan_in = conv.weight[0].numel()
+        bound = (2 ** 0.5) / fan_in ** 0.5  # kaiming_uniform(a=sqrt(5)) bound is 1/sqrt(fan_in), times relu gain
+        assert conv.weight.abs().max() <= bound + 1e-6
+
+
+def upstream_file(tmp_path, legacy: bool, actions=6, hidden=512):
+    """A model file as upstream wrote it: a bare OrderedDict of tensors (legacy non-zip format for 2017 files)."""
+    g = torch.Generator().manual_seed(3)
+    sd = OrderedDict((k, torch.randn(s, generator=g)) for k, s in expected_shapes(actions, hidden).items())
+    path = tmp_path / ("legacy.dat" if legacy else "new.dat")
+    torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+    return path, sd
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_upstream_file_loads_strictly(tmp_path, legacy):
+    path, sd = upstream_file(tmp_path, legacy)
+    loaded = state_dict_of(read_weights(path), path)
+    check_state_dict(loaded, 6, 512, path, "PongNoFrameskip-v4")
+    m = A3Clstm(1, 6)
+    m.load_state_dict(loaded, strict=True)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, sd[k])
+
+
+def test_mismatched_file_names_key_and_shapes(tmp_path):
+    path, _ = upstream_file(tmp_path, False, actions=4)
+    sd = state_dict_of(read_weights(path), path)
+    with pytest.raises(ModelFileError, match=r"actor_linear.weight has shape \(4, 512\).*needs \(6, 512\)"):
+        check_state_dict(sd, 6, 512, path, "PongNoFrameskip-v4")
+
+
+def test_corrupt_and_foreign_files(tmp_path):
+    bad = tmp_path / "bad.dat"
+    bad.write_bytes(b"this is not a model")
+    with pytest.raises(ModelFileError, match="corrupt or not a PyTorch weights file"):
+        read_weights(bad)
+    other = tmp_path / "other.dat"
+    torch.save({"a": torch.zeros(1)}, other)
+    with pytest.raises(ModelFileError, match="missing conv1.weight"):
+        check_state_dict(state_dict_of(read_weights(other), other), 6, 512, other, "Pong")
+    pickled = tmp_path / "pickled.dat"
+    torch.save(A3Clstm(1, 6, 8), pickled)  # a whole pickled module is not a weights file
+    with pytest.raises(ModelFileError):
+        read_weights(pickled)

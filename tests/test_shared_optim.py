@@ -1,0 +1,98 @@
+"""The shared optimizers equal torch.optim step for step, keep their state in shared memory, and share it across
+real processes."""
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from shared_optim import SharedAdam, SharedRMSprop, make_optimizer
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+def run_pair(ours_cls, ours_kw, ref_cls, ref_kw, steps=25):
+    a, b = make_params(), make_params()
+    opt_a, opt_b = ours_cls(a, **ours_kw), ref_cls(b, **ref_kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g) for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        opt_a.step()
+        opt_b.step()
+        for p, q in zip(a, b):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0), (p - q).abs().max()
+    return opt_a
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_shared_adam_matches_torch(amsgrad, wd):
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-3, weight_decay=wd, amsgrad=amsgrad)
+    opt = run_pair(SharedAdam, kw, torch.optim.Adam, kw)
+    for state in opt.state.values():
+        assert state["step"].item() == 25
+        assert all(v.is_shared() for v in state.values())
+        assert ("max_exp_avg_sq" in state) == amsgrad
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("momentum,centered", [(0.0, False), (0.9, True)])
+def test_shared_rmsprop_matches_torch(wd, momentum, centered):
+    kw = dict(lr=1e-2, alpha=0.99, eps=0.1, weight_decay=wd, momentum=momentum, centered=centered)
+    opt = run_pair(SharedRMSprop, kw, torch.optim.RMSprop, kw)
+    for state in opt.state.values():
+        assert all(v.is_shared() for v in state.values())
+
+
+def test_defaults_are_upstream():
+    adam = SharedAdam(make_params())
+    assert adam.defaults["eps"] == 1e-3 and adam.defaults["betas"] == (0.9, 0.999)
+    rms = SharedRMSprop(make_params())
+    assert rms.defaults["eps"] == 0.1 and rms.defaults["alpha"] == 0.99
+
+
+def test_load_state_dict_keeps_state_shared_and_continues_identically():
+    kw = dict(lr=1e-2, amsgrad=True)
+    src = run_pair(SharedAdam, kw, torch.optim.Adam, dict(kw, eps=1e-3), steps=5)
+    params = [torch.nn.Parameter(p.detach().clone()) for g in src.param_groups for p in g["params"]]
+    dst = SharedAdam(params, **kw)
+    before = [id(v) for s in dst.state.values() for v in s.values()]
+    dst.load_state_dict(src.state_dict())
+    assert [id(v) for s in dst.state.values() for v in s.values()] == before  # same shared tensors, filled in place
+    for s_src, s_dst in zip(src.state.values(), dst.state.values()):
+        for k in s_src:
+            assert torch.equal(s_src[k], s_dst[k]) and s_dst[k].is_shared()
+
+
+def test_make_optimizer_private():
+    opt = make_optimizer("RMSprop", make_params(), 1e-3, shared=False)
+    assert type(opt) is torch.optim.RMSprop and opt.defaults["eps"] == 0.1
+    with pytest.raises(ValueError):
+        make_optimizer("SGD", make_params(), 1e-3)
+
+
+def _child_steps(params, opt, n, done):
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    done.set()
+
+
+def test_state_is_shared_across_processes():
+    ctx = mp.get_context("spawn")
+    params = [torch.nn.Parameter(torch.zeros(4)).share_memory_()]
+    opt = SharedAdam(params, lr=0.1)
+    done = ctx.Event()
+    p = ctx.Process(target=_child_steps, args=(params, opt, 3, done))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.is_set()
+    state = opt.state[params[0]]
+    assert state["step"].item() == 3  # the child's steps are visible here
+    assert state["exp_avg"].abs().sum() > 0
+    assert params[0].abs().sum() > 0  # and so are its parameter updates

@@ -1,0 +1,80 @@
+"""A training worker: act, replay the rollout with gradients, hand the gradients to the shared model, step the
+shared optimizer; repeat until told to stop (a3g.md section 6, with upstream's defects fixed)."""
+from __future__ import annotations
+
+import traceback
+from argparse import Namespace
+
+import torch
+
+from config import rollout_length
+from environment import atari_env, load_env_config, normalizer
+from model import A3Clstm
+from player_util import Agent, GradientHandoff, rollout_loss, sync_weights
+from run_state import RunState
+from shared_optim import make_optimizer
+from utils import setup_child_process, use_device, worker_device
+
+
+def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
+               run: RunState, device: torch.device, max_updates: int | None = None) -> int:
+    """The worker loop; returns the number of updates made. Runs in-process too (tests, one-process debugging).
+
+    ``optimizer`` is the shared optimizer, or None for a private one (``--no-shared-optimizer``).
+    Stops when ``run.stop`` is set, when the global step count reaches ``--max-steps``, or after ``max_updates``.
+    """
+    torch.manual_seed(args.seed + rank)
+    env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
+                    skip_rate=args.skip_rate, episodic_life=True)
+    env.action_space.seed(args.seed + rank)
+    mean, std, count = run.norm_stats[rank].tolist()
+    if count > 0:
+        normalizer(env).set_stats(mean, std, int(count))
+    if optimizer is None:
+        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
+    model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device)
+    model.train()
+    agent = Agent(model, env, device, seed=args.seed + rank)
+    handoff = GradientHandoff(model, shared_model)
+    num_steps = rollout_length(args, rank)
+    params = list(model.parameters())
+    updates = 0
+    while not run.stop.is_set():
+        if args.max_steps and run.global_steps.value >= args.max_steps:
+            break
+        if max_updates is not None and updates >= max_updates:
+            break
+        sync_weights(model, shared_model)
+        rollout = agent.rollout(num_steps)
+        loss = rollout_loss(model, rollout, gamma=args.gamma, tau=args.tau, entropy_coef=args.entropy_coef,
+                            value_coef=args.value_coef)
+        model.zero_grad(set_to_none=True)
+        loss.total.backward()
+        if args.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        handoff()
+        optimizer.step()
+        updates += 1
+        steps = rollout.actions.shape[0]
+        with run.global_steps.get_lock():
+            run.global_steps.value += steps
+        run.record_update(rank, steps, loss.policy.item(), loss.value.item(), loss.entropy.item() / steps, grad_norm)
+        m, s, n = normalizer(env).get_stats()
+        run.norm_stats[rank] = torch.tensor([m, s, float(n)], dtype=torch.float64)
+    return updates
+
+
+def train(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
+          run: RunState) -> None:
+    """Process entry point of worker ``rank``: set the process up, run the loop, report any error."""
+    setup_child_process(f"worker {rank}")
+    device = worker_device(args.gpu_ids, rank)
+    try:
+        use_device(device)
+        run_worker(rank, args, shared_model, optimizer, run, device)
+    except BaseException as e:  # report, then exit non-zero: the main process stops the run
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            run.errors.put((f"worker {rank}", "".join(traceback.format_exception(e))))
+        raise SystemExit(1)
