@@ -14,6 +14,15 @@ import torch
 from environment import EnvIdError, load_env_config, resolve_env_id
 
 DEFAULT_ENV = "PongNoFrameskip-v4"
+REPO = Path(__file__).resolve().parent
+
+
+def resolve_env_config(path: str) -> str:
+    """A relative ``--env-config`` is looked up in the working folder, then next to the code."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO / p).is_file():
+        return str(REPO / p)
+    return path
 
 
 def str2bool(value: str) -> bool:
@@ -112,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_common(args: argparse.Namespace) -> list[str]:
     """Problems with the env and model flags shared by training and evaluation."""
     errors = []
+    args.env_config = resolve_env_config(args.env_config)
     try:
         resolve_env_id(args.env)
     except EnvIdError as e:

@@ -1,0 +1,125 @@
+"""The worker's pieces: the batched replay gives upstream's gradient, bootstrapping follows terminated vs
+truncated, the LSTM state is zeroed at episode ends and detached between rollouts, and one seeded worker is
+deterministic."""
+import argparse
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from config import build_parser
+from environment import atari_env, load_env_config
+from model import A3Clstm
+from player_util import Agent, GradientHandoff, rollout_loss, stepwise_rollout_loss, sync_weights
+from run_state import RunState
+from shared_optim import SharedAdam
+from train import run_worker
+
+CPU = torch.device("cpu")
+KW = dict(gamma=0.99, tau=0.92, entropy_coef=0.01, value_coef=0.5)
+
+
+def make_agent(max_episode_length=10000, episodic_life=True, hidden=64, seed=0, env_id="PongNoFrameskip-v4"):
+    torch.manual_seed(seed)
+    env = atari_env(env_id, load_env_config("config.json", env_id), max_episode_length=max_episode_length,
+                    episodic_life=episodic_life)
+    model = A3Clstm(1, env.action_space.n, hidden)
+    return Agent(model, env, CPU, seed=seed)
+
+
+def test_batched_replay_gradient_equals_stepwise_gradient():
+    agent = make_agent()
+    agent.rollout(5)  # a non-zero LSTM state at the next rollout's start
+    rollout = agent.rollout(20)
+    assert rollout.state[0].abs().sum() > 0
+    fast = A3Clstm(1, 6, 64).channels_last()
+    fast.load_state_dict(agent.model.state_dict())
+    grads = []
+    for model, fn in ((agent.model, stepwise_rollout_loss), (fast, rollout_loss)):
+        model.zero_grad(set_to_none=True)
+        loss = fn(model, rollout, **KW)
+        loss.total.backward()
+        grads.append((loss.total.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-4)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-3)
+
+
+def test_bootstrap_on_truncation_not_on_termination():
+    agent = make_agent(max_episode_length=12, episodic_life=False)
+    r = agent.rollout(50)  # Pong's FIRE reset takes 2 of the 12 steps
+    assert r.truncated and not r.terminated and r.actions.shape[0] == 10
+    assert r.bootstrap != 0.0  # V(s_T) of the truncated state
+    agent = make_agent(episodic_life=True, env_id="BreakoutNoFrameskip-v4")
+    for _ in range(200):
+        r = agent.rollout(20)
+        if r.terminated:
+            break
+    assert r.terminated and r.bootstrap == 0.0
+
+
+def test_lstm_state_zeroed_at_episode_end_and_detached_between_rollouts():
+    agent = make_agent(max_episode_length=30, episodic_life=False)
+    r1 = agent.rollout(20)
+    assert not r1.state[0].requires_grad
+    assert torch.count_nonzero(r1.state[0]) == 0  # fresh episode
+    r2 = agent.rollout(20)
+    assert r2.truncated and torch.count_nonzero(r2.state[0]) > 0  # carried over
+    assert not r2.state[0].requires_grad and not agent.hx.requires_grad
+    r3 = agent.rollout(20)  # a new episode after the time limit
+    assert torch.count_nonzero(r3.state[0]) == 0 and torch.count_nonzero(r3.state[1]) == 0
+
+
+def test_gradient_handoff_assigns_every_update():
+    local, shared = A3Clstm(1, 6, 16), A3Clstm(1, 6, 16)
+    handoff = GradientHandoff(local, shared)
+    for scale in (1.0, 3.0):
+        local.zero_grad(set_to_none=True)
+        v, lg = local.unroll(torch.randn(2, 1, 80, 80), local.initial_state())
+        (scale * (v.sum() + lg.sum())).backward()
+        handoff()
+        for lp, sp in zip(local.parameters(), shared.parameters()):
+            assert torch.equal(sp.grad, lp.grad)
+    sync_weights(local, shared)
+    for lp, sp in zip(local.parameters(), shared.parameters()):
+        assert torch.equal(lp, sp)
+
+
+def worker_args(tmp_path, **over):
+    args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--max-steps", "0",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def train_once(tmp_path, updates=6, seed=1):
+    args = worker_args(tmp_path, seed=seed)
+    torch.manual_seed(0)
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    opt = SharedAdam(shared.parameters(), lr=1e-3)
+    run = RunState(mp.get_context("spawn"), 1)
+    n = run_worker(0, args, shared, opt, run, CPU, max_updates=updates)
+    return n, run, {k: v.clone() for k, v in shared.state_dict().items()}
+
+
+def test_one_seeded_worker_is_deterministic(tmp_path):
+    n1, run1, w1 = train_once(tmp_path)
+    n2, run2, w2 = train_once(tmp_path)
+    assert n1 == n2 == 6 and run1.global_steps.value == run2.global_steps.value > 0
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    _, _, w3 = train_once(tmp_path, seed=2)
+    assert any(not torch.equal(w1[k], w3[k]) for k in w1)
+
+
+def test_worker_stops_at_max_steps_and_on_stop_event(tmp_path):
+    args = worker_args(tmp_path, max_steps=50)
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = RunState(mp.get_context("spawn"), 1)
+    run_worker(0, args, shared, None, run, CPU)  # private optimizer (--no-shared-optimizer)
+    assert 50 <= run.global_steps.value < 50 + args.num_steps
+    assert run.update_stats[0, 0] >= 3 and run.norm_stats[0, 2] > 0
+    run.stop.set()
+    assert run_worker(0, args, shared, None, run, CPU) == 0
