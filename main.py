@@ -96,6 +96,36 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunS
     return path
 
 
+def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed_offset: float = 0.0,
+           monitor: bool = True) -> list[tuple[str, mp.Process]]:
+    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes."""
+    procs = []
+    if monitor:
+        p = ctx.Process(target=test, args=(args, shared_model, run, elapsed_offset), name="monitor")
+        p.start()
+        procs.append(("monitor", p))
+    for rank in range(args.workers):
+        p = ctx.Process(target=train, args=(rank, args, shared_model, optimizer, run), name=f"worker {rank}")
+        p.start()
+        procs.append((f"worker {rank}", p))
+    return procs
+
+
+def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS) -> None:
+    """Stop every process through ``run.stop``; terminate, then kill, whatever is still alive after ``wait``."""
+    run.stop.set()
+    deadline = time.time() + wait
+    for _, p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    for _, p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
 def status_line(run: RunState, rate: float) -> str:
     stats = run.update_stats
     done = stats[:, 0] > 0
@@ -172,17 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     procs: list[tuple[str, mp.Process]] = []
     code, reason = 0, ""
+    tb = None
     start = time.time()
     try:
-        p = ctx.Process(target=test, args=(args, shared_model, run, elapsed_offset), name="monitor")
-        p.start()
-        procs.append(("monitor", p))
-        for rank in range(args.workers):
-            p = ctx.Process(target=train, args=(rank, args, shared_model, optimizer, run), name=f"worker {rank}")
-            p.start()
-            procs.append((f"worker {rank}", p))
+        procs = launch(ctx, args, shared_model, optimizer, run, elapsed_offset)
         stopper.install()
-        tb = None
         if args.tensorboard_logger:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
@@ -227,17 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code, reason = 130, "interrupted (Ctrl-C)"
     finally:
-        run.stop.set()
-        deadline = time.time() + JOIN_SECONDS
-        for _, p in procs:
-            p.join(max(0.0, deadline - time.time()))
-        for role, p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+        shutdown(procs, run)
         while True:
             try:
                 role, tb_text = run.errors.get(timeout=0.1)
@@ -252,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = (run.global_steps.value - (resume_ckpt or {}).get("global_steps", 0)) / max(elapsed, 1e-9)
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
                  f"{elapsed:.0f} s; checkpoint {ckpt}")
+        if tb is not None:
+            tb.close()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return code

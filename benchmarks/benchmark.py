@@ -1,0 +1,232 @@
+"""Throughput benchmark: environment-only, training, and the model's step costs, measured in one run.
+
+    python benchmarks/benchmark.py --workers 2 --window 60 --json bench.json
+
+Prints, in one run on this machine:
+1. environment-only agent steps/s with N processes (the training preprocessing, random actions);
+2. training agent steps/s of the real training processes (N workers + the monitor at its default cadence),
+   counted over a fixed window after a warm-up, and each process's resident memory;
+3. the plain reference step cost: NCHW model, batch 1, one thread, a forward with gradients per step, the A3C
+   loss, one backward per 20 steps, no environment (upstream's way of doing it);
+4. this project's model costs on one thread: the acting forward (no gradient) and the update (batched replay
+   plus backward) per agent step;
+5. the ratios: training / environment, and training / (N x plain reference rate).
+Runs vary by 15-25% on shared machines: compare the ratios within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from config import build_parser  # noqa: E402
+from environment import atari_env, load_env_config  # noqa: E402
+from losses import a3c_loss  # noqa: E402
+from model import A3Clstm  # noqa: E402
+from run_state import RunState  # noqa: E402
+from shared_optim import make_optimizer  # noqa: E402
+
+
+def _env_worker(env_id: str, config: str, seconds: float, seed: int, out) -> None:
+    torch.set_num_threads(1)
+    env = atari_env(env_id, load_env_config(config, env_id), episodic_life=True)
+    rng = np.random.default_rng(seed)
+    env.reset(seed=seed)
+    n_actions = env.action_space.n
+    for _ in range(200):  # warm-up
+        if any(env.step(int(rng.integers(n_actions)))[2:4]):
+            env.reset()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        _, _, terminated, truncated, _ = env.step(int(rng.integers(n_actions)))
+        steps += 1
+        if terminated or truncated:
+            env.reset()
+    out.put(steps / (time.perf_counter() - t0))
+
+
+def env_steps_per_s(env_id: str, config: str, processes: int, seconds: float) -> float:
+    """Agent steps/s of ``processes`` environment processes stepping together."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_env_worker, args=(env_id, config, seconds, i, out)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    rates = [out.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    return float(sum(rates))
+
+
+def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
+    """Run the real training processes (as main.py does) and count global steps over ``window`` seconds."""
+    from main import launch, num_actions, shutdown
+
+    ctx = mp.get_context("spawn")
+    shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
+    shared.share_memory()
+    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+    run = RunState(ctx, args.workers, args.score_window)
+    procs = launch(ctx, args, shared, optimizer, run)
+    try:
+        time.sleep(warmup)
+        s0, t0 = run.global_steps.value, time.perf_counter()
+        rss = []
+        deadline = t0 + window
+        while time.perf_counter() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.perf_counter())))
+            rss.append({role: psutil.Process(p.pid).memory_info().rss / 2 ** 20 for role, p in procs if p.is_alive()})
+        s1, t1 = run.global_steps.value, time.perf_counter()
+        dead = [role for role, p in procs if not p.is_alive()]
+    finally:
+        shutdown(procs, run)
+    if dead:
+        raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
+    return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
+            "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+
+
+def _timeit(fn, repeats: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def plain_step_ms(rollouts: int, num_steps: int = 20) -> float:
+    """Upstream's step cost without the environment: NCHW, batch 1, forward with grad per step, loss, one backward
+    per ``num_steps`` steps (ms per agent step, one thread)."""
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6)
+    frames = torch.randn(num_steps, 1, 1, 80, 80)
+    actions = torch.randint(0, 6, (num_steps,))
+    rewards = torch.zeros(num_steps)
+
+    def rollout():
+        hx, cx = model.initial_state()
+        values, logits = [], []
+        for t in range(num_steps):
+            v, lg, (hx, cx) = model(frames[t], (hx, cx))
+            values.append(v.view(1))
+            logits.append(lg)
+        loss = a3c_loss(torch.cat(logits), torch.cat(values), actions, rewards, 0.0, gamma=0.99, tau=1.0,
+                        entropy_coef=0.01, value_coef=0.5)
+        model.zero_grad(set_to_none=True)
+        loss.total.backward()
+
+    return _timeit(rollout, rollouts) / num_steps * 1000
+
+
+def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
+    """This project's costs per agent step (one thread): acting forward and batched-replay update."""
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6).channels_last()
+    frames = torch.randn(num_steps, 1, 80, 80)
+    actions = torch.randint(0, 6, (num_steps,))
+    rewards = torch.zeros(num_steps)
+    state = model.initial_state()
+
+    @torch.no_grad()
+    def act():
+        hx, cx = state
+        for t in range(num_steps):
+            _, _, (hx, cx) = model(frames[t: t + 1], (hx, cx))
+
+    def update():
+        values, logits = model.unroll(frames, state)
+        loss = a3c_loss(logits, values, actions, rewards, 0.0, gamma=0.99, tau=1.0, entropy_coef=0.01,
+                        value_coef=0.5)
+        model.zero_grad(set_to_none=True)
+        loss.total.backward()
+
+    forward = _timeit(act, rollouts) / num_steps * 1000
+    upd = _timeit(update, rollouts) / num_steps * 1000
+    return {"forward_ms": forward, "update_ms": upd, "total_ms": forward + upd}
+
+
+def machine() -> dict:
+    import ale_py
+    import cv2
+    import gymnasium
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2 ** 30, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "gymnasium": gymnasium.__version__,
+            "ale_py": ale_py.__version__, "opencv": cv2.__version__, "numpy": np.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", default="PongNoFrameskip-v4")
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--gpu-ids", type=int, nargs="+", default=[-1])
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds of training before counting")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of training counted")
+    p.add_argument("--env-seconds", type=float, default=15.0, help="seconds of environment-only stepping")
+    p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    opts = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
+                                      "--gpu-ids", *map(str, opts.gpu_ids),
+                                      "--log-dir", str(ROOT / "logs" / "benchmark"),
+                                      "--save-model-dir", str(ROOT / "logs" / "benchmark")])
+    args.env_config = str(ROOT / "config.json")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+
+    res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
+    print(f"machine: {res['machine']}", flush=True)
+    res["plain_step_ms"] = plain_step_ms(opts.rollouts)
+    print(f"plain reference step (NCHW, batch 1, grad per step, 1 thread): {res['plain_step_ms']:.2f} ms", flush=True)
+    res["ours"] = our_step_ms(opts.rollouts)
+    o = res["ours"]
+    print(f"this model per step (1 thread): forward {o['forward_ms']:.2f} ms + update {o['update_ms']:.2f} ms "
+          f"= {o['total_ms']:.2f} ms", flush=True)
+    res["env_steps_per_s"] = env_steps_per_s(opts.env, args.env_config, opts.workers, opts.env_seconds)
+    print(f"environment only, {opts.workers} processes: {res['env_steps_per_s']:.0f} steps/s", flush=True)
+    res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
+    tr = res["training"]
+    print(f"training, {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
+          f"({tr['steps']} steps in {tr['seconds']:.0f} s)", flush=True)
+    print("resident memory MiB (start -> end of window): " + ", ".join(
+        f"{k} {tr['rss_mib_start'][k]:.0f} -> {tr['rss_mib_end'].get(k, float('nan')):.0f}"
+        for k in tr["rss_mib_start"]), flush=True)
+    plain_rate = opts.workers * 1000.0 / res["plain_step_ms"]
+    res["ratios"] = {
+        "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
+        "training_over_plain": tr["steps_per_s"] / plain_rate,
+        "plain_over_ours_step_cost": res["plain_step_ms"] / o["total_ms"],
+    }
+    r = res["ratios"]
+    print(f"ratios: training / environment {r['training_over_env']:.3f}; training / ({opts.workers} x plain rate "
+          f"{plain_rate:.0f}) {r['training_over_plain']:.2f}x; plain / our model step cost "
+          f"{r['plain_over_ours_step_cost']:.2f}x", flush=True)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
