@@ -67,9 +67,7 @@ def add_model_env_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter if False else argparse.HelpFormatter)
+    p = argparse.ArgumentParser(prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).")
     add_model_env_flags(p)
     p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
