@@ -53,7 +53,7 @@ class BoolFlag(argparse.Action):
             setattr(namespace, self.dest, True if values is None else str2bool(values))
 
 
-def add_model_env_flags(p: argparse.ArgumentParser) -> None:
+def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") -> None:
     """Flags shared by training and evaluation (same names as upstream)."""
     p.add_argument("--env", "-ev", default=DEFAULT_ENV, help="environment id (default: %(default)s)")
     p.add_argument("--env-config", "-evc", default="config.json", help="per-game crop table (default: %(default)s)")
@@ -63,7 +63,7 @@ def add_model_env_flags(p: argparse.ArgumentParser) -> None:
                    help="frames per agent step for NoFrameskip ids (default: %(default)s)")
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
     p.add_argument("--seed", "-s", type=int, default=1, help="random seed; worker r uses seed + r (default: %(default)s)")
-    p.add_argument("--log-dir", "-lg", default="logs/", help="folder for logs and CSVs (default: %(default)s)")
+    p.add_argument("--log-dir", log_dir_short, default="logs/", help="folder for logs and CSVs (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,14 +165,12 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
 
     Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives, and False when
-    ``should_stop()`` became true mid-game. ``on_frame(env)`` is called after the reset and after every step
-    (rendering, recording).
+    ``should_stop()`` became true mid-game. ``on_frame(env)`` is called after every step (recording: one
+    video frame per agent step).
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     hx, cx = model.initial_state(1, device)
     score, length = 0.0, 0
-    if on_frame is not None:
-        on_frame(env)
     while True:
         if should_stop is not None and should_stop():
             return score, length, False

@@ -1,0 +1,285 @@
+"""Evaluate a trained model for N whole games, watch it play, or record videos.
+
+    python gym_eval.py --env PongNoFrameskip-v4 --num-episodes 100
+    python gym_eval.py --env PongNoFrameskip-v0 --model-file PongNoFrameskip-v4 --workers 2 --json pong_sticky.json
+    python gym_eval.py --env BreakoutNoFrameskip-v4 --num-episodes 3 --record videos/
+
+A game is a whole game over all lives. It is played greedily (argmax of the policy) and scored unclipped, with a
+time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--seed + i`` and starts from fresh
+normalisation statistics, so a seed gives the same scores with any number of ``--workers``.
+
+Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
+mean ± std, min, max, median, and the protocol); a JSON summary (``--json``, by default
+``<log-dir>/<env>_eval.json``).
+
+Exit codes: 0 done; 2 bad input; 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
+from config import add_model_env_flags, validate_common, validate_gpu_ids
+from environment import atari_env, load_env_config, protocol
+from model import A3Clstm
+from utils import format_duration, safe_name, setup_logger, worker_device
+
+PROG = "gym_eval.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Evaluate, watch or record a trained A3C-LSTM model.")
+    add_model_env_flags(p, log_dir_short="-lgd")
+    p.add_argument("--num-episodes", "-ne", type=int, default=100, help="games to play (default: %(default)s)")
+    p.add_argument("--load-model-dir", "-lmd", default="trained_models/",
+                   help="where <env>.dat is looked for (default: %(default)s)")
+    p.add_argument("--model-file", "-mf", default=None,
+                   help="a model file to evaluate instead of <load-model-dir>/<env>.dat: a path, or a name in "
+                        "--load-model-dir (with or without .dat); .dat and .ckpt files both work")
+    p.add_argument("--render", "-r", action="store_true", help="show the games in a window (needs a display)")
+    p.add_argument("--render-freq", "-rf", type=int, default=1,
+                   help="render or record every k-th game (default: %(default)s)")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="write an H.264 mp4 of every --render-freq-th game to DIR")
+    p.add_argument("--new-gym-eval", "-nge", action="store_true",
+                   help="removed (it used gym's Monitor); use --record DIR")
+    p.add_argument("--gpu-id", "-gid", type=int, default=-1, help="GPU for the model; -1 = CPU (default)")
+    p.add_argument("--workers", "-w", type=int, default=1, help="evaluation processes (default: %(default)s)")
+    p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json)")
+    return p
+
+
+def resolve_model_file(args: argparse.Namespace) -> Path:
+    if args.model_file is None:
+        return model_path(args.load_model_dir, args.env)
+    given = Path(args.model_file)
+    candidates = [given, Path(args.load_model_dir) / given, Path(args.load_model_dir) / f"{safe_name(str(given))}.dat"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    return given
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    errors = validate_common(args)
+    if args.new_gym_eval:
+        errors.append("--new-gym-eval used gym's Monitor, which gymnasium removed: record videos with --record DIR "
+                      "(see README, 'Record')")
+    if args.num_episodes < 1:
+        errors.append(f"--num-episodes must be >= 1, got {args.num_episodes}")
+    if args.render_freq < 1:
+        errors.append(f"--render-freq must be >= 1, got {args.render_freq}")
+    if args.workers < 1:
+        errors.append(f"--workers must be >= 1, got {args.workers}")
+    if args.render and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        errors.append("--render needs a display, and none is set (DISPLAY is empty); use --record DIR to write "
+                      "videos instead")
+    if args.render and args.workers > 1:
+        errors.append("--render shows games one at a time: use it with --workers 1")
+    if args.record is not None and Path(args.record).exists() and not Path(args.record).is_dir():
+        errors.append(f"--record '{args.record}' is a file, not a folder")
+    errors += validate_gpu_ids([args.gpu_id], "--gpu-id")
+    return errors
+
+
+class VideoWriter:
+    """One H.264 mp4 (yuv420p, plays in browsers and presentation software) from full-colour RGB frames."""
+
+    def __init__(self, path: Path, fps: float):
+        self.path, self.fps = path, fps
+        self.writer = None
+        self.frames = 0
+
+    def __call__(self, env) -> None:
+        frame = env.render()
+        if self.writer is None:
+            import imageio_ffmpeg
+            h, w = frame.shape[:2]
+            self.writer = imageio_ffmpeg.write_frames(str(self.path), (w, h), fps=self.fps, codec="libx264",
+                                                      pix_fmt_out="yuv420p", macro_block_size=2, quality=None,
+                                                      output_params=["-crf", "18"], ffmpeg_log_level="error")
+            self.writer.send(None)
+        self.writer.send(frame.tobytes())
+        self.frames += 1
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], device: torch.device, results) -> None:
+    """Play the games with these indices and put ``(index, score, length, frames_recorded)`` on ``results``."""
+    from player_util import play_game
+
+    conf = load_env_config(args.env_config, args.env)
+    model = None
+    for i in games:
+        render = (args.render or args.record) and i % args.render_freq == 0
+        mode = ("human" if args.render else "rgb_array") if render else None
+        env = atari_env(args.env, conf, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
+                        episodic_life=False, render_mode=mode)
+        if model is None:
+            model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
+            model.load_state_dict(state_dict)
+        torch.manual_seed(args.seed + i)
+        recorder = None
+        if render and args.record:
+            fps = env.metadata.get("render_fps", 60) / (args.skip_rate if "NoFrameskip" in args.env else 4)
+            recorder = VideoWriter(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4", fps)
+        try:
+            frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
+            score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook)
+        finally:
+            if recorder is not None:
+                recorder.close()
+            env.close()
+        results.put((i, score, length, recorder.frames if recorder else 0))
+
+
+def _worker(args, state_dict, games, results) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    try:
+        import setproctitle
+        setproctitle.setproctitle("a3g eval")
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        play_games(args, state_dict, games, worker_device([args.gpu_id], 0), results)
+    except BaseException as e:  # pragma: no cover - reported to the parent
+        results.put(("error", repr(e), 0, 0))
+
+
+def summarize(scores: list[float]) -> dict:
+    return {"mean": statistics.fmean(scores), "std": statistics.pstdev(scores), "min": min(scores),
+            "max": max(scores), "median": statistics.median(scores)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    errors = validate(args)
+    state_dict = None
+    path = resolve_model_file(args)
+    if not errors:
+        try:
+            import gymnasium as gym
+            from environment import resolve_env_id
+            spec = resolve_env_id(args.env)
+            n_actions = gym.make(spec.make_id, **spec.make_kwargs).action_space.n
+            obj = read_weights(path)
+            state_dict = state_dict_of(obj, path)
+            check_state_dict(state_dict, n_actions, args.hidden_size, path, args.env)
+        except ModelFileError as e:
+            msg = str(e)
+            if "does not exist" in msg:
+                msg += " (train one with main.py, or pass --model-file / --load-model-dir)"
+            errors.append(msg)
+    if errors:
+        for e in errors:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    torch.set_num_threads(1)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    if args.record:
+        Path(args.record).mkdir(parents=True, exist_ok=True)
+    log = setup_logger(f"eval.{safe_name(args.env)}", Path(args.log_dir) / f"{safe_name(args.env)}_mon_log")
+    proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
+                     episodic_life=False)
+    for k, v in sorted(vars(args).items()):
+        log.info(f"{k}: {v}")
+    log.info(f"model: {path}")
+
+    n = args.num_episodes
+    start = time.time()
+    scores: dict[int, float] = {}
+    lengths: dict[int, int] = {}
+    frames: dict[int, int] = {}
+    from tqdm import tqdm
+    bar = tqdm(total=n, unit="game", disable=not sys.stderr.isatty(), file=sys.stderr)
+
+    class Results:
+        """Receives each finished game, in this process, whichever process played it."""
+
+        @staticmethod
+        def put(item) -> None:
+            i, score, length, nframes = item
+            scores[i], lengths[i], frames[i] = score, length, nframes
+            mean = statistics.fmean(scores.values())
+            log.info(f"Time {format_duration(time.time() - start)}, episode reward {score}, episode length {length}, "
+                     f"reward mean {mean:.4f}")
+            bar.update(1)
+            bar.set_postfix(mean=f"{mean:.2f}")
+            if bar.disable:
+                print(f"game {i + 1}/{n}: score {score:g}, length {length}", flush=True)
+
+    procs = []
+    interrupted = False
+    try:
+        if args.workers == 1:
+            play_games(args, state_dict, list(range(n)), worker_device([args.gpu_id], 0), Results)
+        else:
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            for w in range(min(args.workers, n)):
+                p = ctx.Process(target=_worker, args=(args, state_dict, list(range(w, n, args.workers)), queue))
+                p.start()
+                procs.append(p)
+            while len(scores) < n:
+                try:
+                    item = queue.get(timeout=1.0)
+                except Exception:
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        raise RuntimeError("an evaluation process died")
+                    continue
+                if item[0] == "error":
+                    raise RuntimeError(f"an evaluation process failed: {item[1]}")
+                Results.put(item)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+        for p in procs:
+            p.join(timeout=5 if not interrupted else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if interrupted:
+        print(f"{PROG}: interrupted after {len(scores)} of {n} games", file=sys.stderr)
+        return 130
+
+    order = sorted(scores)
+    score_list = [scores[i] for i in order]
+    s = summarize(score_list)
+    wall = time.time() - start
+    summary = (f"{args.env}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, max {s['max']:g}, "
+               f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {proto['frameskip']}, sticky actions "
+               f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
+               f"off, time limit {proto['time_limit_agent_steps']} agent steps)")
+    log.info(summary)
+    print(summary, flush=True)
+    out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,
+           "lengths": [lengths[i] for i in order], "seed": args.seed, "protocol": proto,
+           "wall_seconds": wall}
+    if args.record:
+        out["videos"] = {str(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4"): frames[i]
+                         for i in order if frames[i]}
+    json_path = Path(args.json) if args.json else Path(args.log_dir) / f"{safe_name(args.env)}_eval.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"summary written to {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

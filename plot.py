@@ -1,0 +1,117 @@
+"""Learning curves from the monitor's CSV: score against global steps and against wall time, with a rolling mean.
+
+    python plot.py logs/ --out curves.png
+    python plot.py runs/a/logs runs/b/logs/PongNoFrameskip-v4_monitor.csv --out compare.svg --window 20
+
+Each argument is a ``*_monitor.csv`` file or a folder holding them (one line per run). The format follows the
+extension of ``--out``: PNG by default, SVG or PDF too.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+PROG = "plot.py"
+
+
+def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
+    paths, errors = [], []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.glob("*_monitor.csv"))
+            if not found:
+                errors.append(f"no *_monitor.csv in folder '{item}'")
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        else:
+            errors.append(f"'{item}' does not exist")
+    return paths, errors
+
+
+def read_curve(path: Path) -> dict:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = {"global_steps", "score", "elapsed_s"} - set(rows[0].keys() if rows else [])
+    if not rows or missing:
+        raise ValueError(f"{path} is not a monitor CSV" + (f" (missing {', '.join(sorted(missing))})" if rows else
+                                                           " (no rows)"))
+    return {"steps": [int(r["global_steps"]) for r in rows], "score": [float(r["score"]) for r in rows],
+            "hours": [float(r["elapsed_s"]) / 3600 for r in rows]}
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def label_for(path: Path) -> tuple[str, str]:
+    """(env id, run name) from ``<run>/logs/<env>_monitor.csv``."""
+    env = path.name[: -len("_monitor.csv")] if path.name.endswith("_monitor.csv") else path.stem
+    run = path.parent.parent.name if path.parent.name == "logs" else path.parent.name
+    return env, run or "."
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description="Plot monitor learning curves.")
+    p.add_argument("inputs", nargs="+", help="monitor CSV files or folders that hold them")
+    p.add_argument("--out", default="curves.png", help="output image: .png, .svg or .pdf (default: %(default)s)")
+    p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")
+    p.add_argument("--title", default=None, help="figure title (default: env and run names)")
+    args = p.parse_args(argv)
+    paths, errors = find_csvs(args.inputs)
+    if Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
+        errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
+    if args.window < 1:
+        errors.append(f"--window must be >= 1, got {args.window}")
+    curves = []
+    for path in paths:
+        try:
+            curves.append((path, read_curve(path)))
+        except (ValueError, KeyError, OSError) as e:
+            errors.append(str(e))
+    if errors:
+        for e in errors:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    envs, runs = set(), []
+    for path, c in curves:
+        env, run = label_for(path)
+        envs.add(env)
+        runs.append(run)
+        label = run if len(curves) > 1 else env
+        smooth = rolling_mean(c["score"], args.window)
+        for ax, x in ((ax_steps, [s / 1e6 for s in c["steps"]]), (ax_time, c["hours"])):
+            line, = ax.plot(x, smooth, label=f"{label} (mean of {args.window})")
+            ax.scatter(x, c["score"], s=6, alpha=0.3, color=line.get_color())
+    ax_steps.set_xlabel("global agent steps (millions)")
+    ax_time.set_xlabel("wall time (hours)")
+    ax_steps.set_ylabel("monitor game score")
+    for ax in (ax_steps, ax_time):
+        ax.grid(alpha=0.3)
+    ax_steps.legend(loc="best", fontsize=8)
+    title = args.title or f"{', '.join(sorted(envs))}: {', '.join(dict.fromkeys(runs))}"
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out} ({len(curves)} run{'s' if len(curves) != 1 else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""gym_eval.py and plot.py as subprocesses, on model files written here in the upstream format."""
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from conftest import ROOT, run_entry
+from model import expected_shapes
+
+SHORT = ["--hidden-size", "32", "--max-episode-length", "60", "--env-config", str(ROOT / "config.json")]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A drop-in file as upstream wrote it (bare OrderedDict, legacy format), random but fixed weights."""
+    g = torch.Generator().manual_seed(0)
+    sd = OrderedDict((k, 0.1 * torch.randn(s, generator=g)) for k, s in expected_shapes(6, 32).items())
+    d = tmp_path / "models"
+    d.mkdir()
+    torch.save(sd, d / "PongNoFrameskip-v4.dat", _use_new_zipfile_serialization=False)
+    return d
+
+
+def evaluate(tmp_path, model_dir, name, *extra):
+    out = tmp_path / f"{name}.json"
+    r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                  "--json", str(out), *extra, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(out.read_text()), r
+
+
+def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
+    a, r = evaluate(tmp_path, model_dir, "a", "--num-episodes", "3", "--seed", "5")
+    assert set(a) >= {"env", "model", "episodes", "mean", "std", "min", "max", "median", "scores", "lengths",
+                      "seed", "protocol"}
+    assert a["episodes"] == 3 and len(a["scores"]) == len(a["lengths"]) == 3 and a["seed"] == 5
+    assert all(isinstance(x, float) for x in a["scores"]) and all(isinstance(x, int) for x in a["lengths"])
+    assert a["min"] <= a["mean"] <= a["max"] and a["std"] >= 0
+    assert a["protocol"]["repeat_action_probability"] == 0.0 and a["protocol"]["episodic_life"] is False
+    assert a["protocol"]["time_limit_agent_steps"] == 60
+    assert "3 games, mean" in r.stdout and "± " in r.stdout
+    log = (tmp_path / "logs/PongNoFrameskip-v4_mon_log").read_text()
+    assert log.count("episode reward") == 3 and "3 games, mean" in log
+    b, _ = evaluate(tmp_path, model_dir, "b", "--num-episodes", "3", "--seed", "5")
+    assert (b["scores"], b["lengths"]) == (a["scores"], a["lengths"])
+    c, _ = evaluate(tmp_path, model_dir, "c", "--num-episodes", "3", "--seed", "5", "--workers", "2")
+    assert (c["scores"], c["lengths"]) == (a["scores"], a["lengths"])
+
+
+def test_sticky_actions_env_with_model_file(tmp_path, model_dir):
+    s, _ = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--env", "PongNoFrameskip-v0",
+                    "--model-file", "PongNoFrameskip-v4")
+    assert s["env"] == "PongNoFrameskip-v0" and s["protocol"]["repeat_action_probability"] == 0.25
+    assert s["model"].endswith("PongNoFrameskip-v4.dat")
+
+
+def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
+    import imageio_ffmpeg
+    s, _ = evaluate(tmp_path, model_dir, "v", "--num-episodes", "2", "--render-freq", "2", "--record",
+                    str(tmp_path / "videos"))
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert [v.name for v in videos] == ["PongNoFrameskip-v4_game000.mp4"]  # every 2nd game: game 0 only
+    n_frames, _ = imageio_ffmpeg.count_frames_and_secs(str(videos[0]))
+    assert n_frames == s["lengths"][0]
+    meta = next(imageio_ffmpeg.read_frames(str(videos[0])))
+    assert meta["codec"] == "h264" and meta["size"] == (160, 210)
+
+
+def test_plot_from_a_tiny_training_run(tmp_path):
+    r = run_entry("main.py", "--workers", "1", "--hidden-size", "32", "--max-steps", "200", "--test-every-steps",
+                  "100", "--max-episode-length", "200", "--log-dir", str(tmp_path / "run/logs"),
+                  "--save-model-dir", str(tmp_path / "run/models"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "curve.png"
+    r = run_entry("plot.py", str(tmp_path / "run/logs"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    h, w = matplotlib.image.imread(out).shape[:2]
+    assert h > 200 and w > 400
+    svg = tmp_path / "curve.svg"
+    assert run_entry("plot.py", str(tmp_path / "run/logs/PongNoFrameskip-v4_monitor.csv"), "--out", str(svg),
+                     cwd=tmp_path).returncode == 0
+    assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def bad_eval(tmp_path, *args, env_extra=None):
+    r = run_entry("gym_eval.py", "--log-dir", str(tmp_path / "logs"), *args, cwd=tmp_path, env_extra=env_extra,
+                  timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gym_eval.py: error: ") and "Traceback" not in r.stderr
+    assert not (tmp_path / "logs").exists()
+    return lines[0]
+
+
+def test_bad_inputs(tmp_path, model_dir):
+    assert "does not exist" in bad_eval(tmp_path, "--load-model-dir", str(tmp_path / "nowhere"))
+    line = bad_eval(tmp_path, "--load-model-dir", str(model_dir))  # 32-unit file, default --hidden-size 512
+    assert "lstm.weight_ih has shape (128, 1024) in the file, the model needs (2048, 1024)" in line
+    assert "did you mean" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--env", "Pong-v9")
+    assert "--num-episodes must be >= 1" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir),
+                                                     "--num-episodes", "0")
+    assert "--record DIR" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--new-gym-eval")
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--render",
+                    env_extra={"DISPLAY": "", "WAYLAND_DISPLAY": ""})
+    assert "needs a display" in line
+
+
+def test_plot_bad_input(tmp_path):
+    r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
