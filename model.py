@@ -88,16 +88,18 @@ class A3Clstm(nn.Module):
     def unroll(self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
         """Replay a rollout of one agent: ``frames (T, 1, 80, 80)`` from LSTM ``state`` (each ``(1, H)``).
 
-        The convolutions run batched over the T frames (much cheaper than T batch-1 calls); the LSTM cell is
-        stepped in order. Returns ``values (T,)``, ``logits (T, A)``; identical to T calls of ``forward``.
+        The convolutions run batched over the T frames (much cheaper than T batch-1 calls). The LSTM runs as one
+        sequence op (``torch.lstm``, the kernel behind ``nn.LSTM``) with this cell's own weights: the same
+        recurrence as T ``LSTMCell`` steps, but the input projection and the weight gradients are one matrix
+        product each instead of T. Returns ``values (T,)``, ``logits (T, A)``; equal to T calls of ``forward``.
         """
         feats = self.features(frames)
         hx, cx = state
-        hs = []
-        for t in range(feats.shape[0]):
-            hx, cx = self.lstm(feats[t: t + 1], (hx, cx))
-            hs.append(hx)
-        value, logits = self.heads(torch.cat(hs))
+        lstm = self.lstm
+        out, _, _ = torch.lstm(feats.unsqueeze(1), (hx.unsqueeze(0), cx.unsqueeze(0)),
+                               [lstm.weight_ih, lstm.weight_hh, lstm.bias_ih, lstm.bias_hh],
+                               True, 1, 0.0, self.training, False, False)
+        value, logits = self.heads(out.squeeze(1))
         return value.squeeze(1), logits
 
     def initial_state(self, batch: int = 1, device: torch.device | str = "cpu"):
