@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code, reason = 130, "interrupted (Ctrl-C)"
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown below is bounded; let it finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown(procs, run)
         while True:
             try:

@@ -123,3 +123,19 @@ def test_worker_stops_at_max_steps_and_on_stop_event(tmp_path):
     assert run.update_stats[0, 0] >= 3 and run.norm_stats[0, 2] > 0
     run.stop.set()
     assert run_worker(0, args, shared, None, run, CPU) == 0
+
+
+def test_a_failing_worker_reports_its_traceback(tmp_path):
+    from train import train
+    ctx = mp.get_context("spawn")
+    args = worker_args(tmp_path)
+    args.env = "NoSuchGameNoFrameskip-v4"  # passes no validation: the worker itself fails
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = RunState(ctx, 1)
+    p = ctx.Process(target=train, args=(0, args, shared, None, run))
+    p.start()
+    role, text = run.errors.get(timeout=120)
+    p.join(30)
+    assert p.exitcode == 1 and role == "worker 0"
+    assert "Traceback" in text and "unknown environment id 'NoSuchGameNoFrameskip-v4'" in text
