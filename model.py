@@ -65,35 +65,55 @@ class A3Clstm(nn.Module):
         state_dict keys, shapes and values are unchanged."""
         return self.to(memory_format=torch.channels_last)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Conv encoder: ``(B, 1, 80, 80) -> (B, 1024)``."""
+    def convs(self) -> tuple[nn.Conv2d, ...]:
+        return self.conv1, self.conv2, self.conv3, self.conv4
+
+    def features(self, x: torch.Tensor, cache: "ConvCache | None" = None) -> torch.Tensor:
+        """Conv encoder: ``(B, 1, 80, 80) -> (B, 1024)``.
+
+        With ``cache`` (acting under ``no_grad``), each block's input, max-pool indices and output are appended
+        to it, so that a later update can compute the conv weight gradients without running the convolutions
+        forward again (see ``unroll``).
+        """
         if self.conv2.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        x = F.relu(F.max_pool2d(self.conv1(x), 2, 2))
-        x = F.relu(F.max_pool2d(self.conv2(x), 2, 2))
-        x = F.relu(F.max_pool2d(self.conv3(x), 2, 2))
-        x = F.relu(F.max_pool2d(self.conv4(x), 2, 2))
+        for conv in self.convs():
+            if cache is None:
+                x = F.relu(F.max_pool2d(conv(x), 2, 2))
+            else:
+                pooled, indices = F.max_pool2d(conv(x), 2, 2, return_indices=True)
+                out = F.relu(pooled)
+                cache.add(x, indices, out)
+                x = out
         return x.flatten(1)
 
     def heads(self, hx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hx (B, H) -> value (B, 1), logits (B, A)``."""
         return self.critic_linear(hx), self.actor_linear(hx)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], cache: "ConvCache | None" = None):
         """One step for a batch: ``x (B, 1, 80, 80)``, ``state = (hx, cx)`` each ``(B, H)``."""
-        hx, cx = self.lstm(self.features(x), state)
+        hx, cx = self.lstm(self.features(x, cache), state)
         value, logits = self.heads(hx)
         return value, logits, (hx, cx)
 
-    def unroll(self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+    def unroll(self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
+               cache: "ConvCache | None" = None):
         """Replay a rollout of one agent: ``frames (T, 1, 80, 80)`` from LSTM ``state`` (each ``(1, H)``).
 
-        The convolutions run batched over the T frames (much cheaper than T batch-1 calls). The LSTM runs as one
-        sequence op (``torch.lstm``, the kernel behind ``nn.LSTM``) with this cell's own weights: the same
-        recurrence as T ``LSTMCell`` steps, but the input projection and the weight gradients are one matrix
-        product each instead of T. Returns ``values (T,)``, ``logits (T, A)``; equal to T calls of ``forward``.
+        Without ``cache`` the convolutions run batched over the T frames (much cheaper than T batch-1 calls).
+        With the ``cache`` filled while acting with these same weights, they do not run at all: the features
+        are taken from it, and backward computes the conv gradients from the saved activations (``_Replay``).
+        The LSTM runs as one sequence op (``torch.lstm``, the kernel behind ``nn.LSTM``) with this cell's own
+        weights: the same recurrence as T ``LSTMCell`` steps, but the input projection and the weight gradients
+        are one matrix product each instead of T. Returns ``values (T,)``, ``logits (T, A)``, equal to T calls of
+        ``forward`` (tested), gradients included.
         """
-        feats = self.features(frames)
+        if cache is None:
+            feats = self.features(frames)
+        else:
+            convs = self.convs()
+            feats = _Replay.apply(cache.stacked(), convs, *[p for c in convs for p in (c.weight, c.bias)])
         hx, cx = state
         lstm = self.lstm
         out, _, _ = torch.lstm(feats.unsqueeze(1), (hx.unsqueeze(0), cx.unsqueeze(0)),
@@ -106,6 +126,64 @@ class A3Clstm(nn.Module):
         """Zero LSTM state ``(hx, cx)`` of shape ``(batch, H)``."""
         z = torch.zeros(batch, self.hidden_size, device=device)
         return z, z.clone()
+
+
+class ConvCache:
+    """What the conv blocks saw while acting, per step: each block's input, max-pool indices and output."""
+
+    def __init__(self):
+        self.steps: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        self._current: list | None = None
+
+    def add(self, block_input: torch.Tensor, indices: torch.Tensor, output: torch.Tensor) -> None:
+        if self._current is None or len(self._current) == 4:
+            self._current = []
+            self.steps.append(self._current)
+        self._current.append((block_input, indices, output))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def stacked(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per block, the T steps concatenated along the batch dimension."""
+        return [tuple(torch.cat([step[b][i] for step in self.steps]) for i in range(3)) for b in range(4)]
+
+
+class _Replay(torch.autograd.Function):
+    """The conv encoder's output as a function of its weights, from activations saved while acting.
+
+    forward returns the saved features; backward is autograd's own conv-block backward (ReLU, max-pool with the
+    saved indices, convolution) done by hand over the batch of saved activations. The gradients are exactly
+    those of running the encoder again (tested), without the second forward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks, convs, *params):
+        ctx.blocks, ctx.convs = blocks, convs
+        return blocks[-1][2].flatten(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks, convs = ctx.blocks, ctx.convs
+        grads: list[torch.Tensor | None] = [None] * (2 * len(convs))
+        g = grad.reshape(blocks[-1][2].shape)
+        for k in range(len(convs) - 1, -1, -1):
+            conv, (block_input, indices, output) = convs[k], blocks[k]
+            g = torch.ops.aten.threshold_backward(g, output, 0)
+            pre_pool = (indices.shape[0], conv.out_channels,
+                        block_input.shape[2] + 2 * conv.padding[0] - conv.kernel_size[0] + 1,
+                        block_input.shape[3] + 2 * conv.padding[1] - conv.kernel_size[1] + 1)
+            like = torch.empty(pre_pool, device=g.device, dtype=g.dtype,
+                               memory_format=torch.channels_last if indices.is_contiguous(
+                                   memory_format=torch.channels_last) else torch.contiguous_format)
+            g = torch.ops.aten.max_pool2d_with_indices_backward(g, like, [2, 2], [2, 2], [0, 0], [1, 1], False,
+                                                               indices)
+            g_in, g_w, g_b = torch.ops.aten.convolution_backward(
+                g, block_input, conv.weight, [conv.out_channels], list(conv.stride), list(conv.padding),
+                list(conv.dilation), False, [0, 0], 1, [k > 0, True, True])
+            grads[2 * k], grads[2 * k + 1] = g_w, g_b
+            g = g_in
+        return (None, None, *grads)
 
 
 def num_parameters(model: nn.Module) -> int:

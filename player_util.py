@@ -1,11 +1,11 @@
 """The agent a worker drives: acting in its environment, and one A3C update from a rollout.
 
-Acting runs under ``torch.no_grad`` and keeps only what the update needs (frames, actions, rewards, the LSTM state
-at the rollout's start). The update replays the rollout with gradients through ``A3Clstm.unroll``: the
-convolutions batched over the rollout, the LSTM stepped in order from the saved state. With the weights unchanged
-during the rollout (the local copy is synced only between rollouts) this is the same computation graph as
-upstream's forward-with-grad at every step, and the same gradient (tested against that slow path), at a
-fraction of the cost.
+Acting runs under ``torch.no_grad`` and keeps only what the update needs: frames, actions, rewards, the LSTM
+state at the rollout's start, and the conv blocks' activations (``ConvCache``). The update replays the rollout
+with gradients through ``A3Clstm.unroll``: the conv gradients come from the saved activations, and the LSTM and
+heads run once over the whole rollout from the saved state. The weights do not change during a rollout (the
+local copy is synced only between rollouts), so this is upstream's forward-with-grad at every step and gives
+the same gradient (tested against that slow path), at a fraction of the cost.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from losses import A3CLoss, a3c_loss, bootstrap_value
-from model import A3Clstm
+from model import A3Clstm, ConvCache
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Rollout:
     terminated: bool
     truncated: bool
     bootstrap: float
+    cache: ConvCache | None = None
 
 
 class Agent:
@@ -74,12 +75,13 @@ class Agent:
         if self.episode_done:
             self.reset()
         state = (self.hx.clone(), self.cx.clone())
+        cache = ConvCache()
         frames, actions, rewards = [], [], []
         hx, cx = self.hx, self.cx
         terminated = truncated = False
         for _ in range(num_steps):
             frames.append(self.obs)
-            _, logits, (hx, cx) = self.model(self.obs, (hx, cx))
+            _, logits, (hx, cx) = self.model(self.obs, (hx, cx), cache)
             if greedy:
                 action = int(logits.argmax(1))
             else:
@@ -100,13 +102,16 @@ class Agent:
             bootstrap = bootstrap_value(False, value)
         self.episode_done = terminated or truncated
         return Rollout(torch.cat(frames), torch.tensor(actions, device=self.device),
-                       torch.tensor(rewards, dtype=torch.float32), state, terminated, truncated, bootstrap)
+                       torch.tensor(rewards, dtype=torch.float32), state, terminated, truncated, bootstrap, cache)
 
 
 def rollout_loss(model: A3Clstm, rollout: Rollout, *, gamma: float, tau: float, entropy_coef: float,
                  value_coef: float) -> A3CLoss:
-    """Replay ``rollout`` through ``model`` with gradients and return the A3C loss terms."""
-    values, logits = model.unroll(rollout.frames, rollout.state)
+    """Replay ``rollout`` through ``model`` with gradients and return the A3C loss terms.
+
+    ``model`` must hold the weights the rollout was acted with (its conv activations are reused).
+    """
+    values, logits = model.unroll(rollout.frames, rollout.state, rollout.cache)
     return a3c_loss(logits, values, rollout.actions, rollout.rewards.to(values.device), rollout.bootstrap,
                     gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef)
 

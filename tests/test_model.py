@@ -122,3 +122,27 @@ def test_corrupt_and_foreign_files(tmp_path):
     torch.save(A3Clstm(1, 6, 8), pickled)  # a whole pickled module is not a weights file
     with pytest.raises(ModelFileError):
         read_weights(pickled)
+
+
+def test_replay_from_saved_activations_gives_the_same_gradients():
+    from model import ConvCache
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64).channels_last()
+    frames = torch.randn(6, 1, 80, 80)
+    frames[:, :, :20] = 0.0  # a flat region: ties inside max-pool windows
+    state = (torch.randn(1, 64), torch.randn(1, 64))
+    cache = ConvCache()
+    with torch.no_grad():
+        hx, cx = state
+        for t in range(6):
+            _, _, (hx, cx) = m(frames[t:t + 1], (hx, cx), cache)
+    assert len(cache) == 6
+    results = []
+    for c in (None, cache):
+        m.zero_grad(set_to_none=True)
+        values, logits = m.unroll(frames, state, c)
+        (values.pow(2).sum() + logits.logsumexp(1).sum()).backward()
+        results.append((values.detach(), [p.grad.clone() for p in m.parameters()]))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    for (name, _), a, b in zip(m.named_parameters(), results[0][1], results[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), name
