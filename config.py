@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from cli import BoolFlag, Parser
 from environment import EnvIdError, load_env_config, resolve_env_id
 
 DEFAULT_ENV = "PongNoFrameskip-v4"
@@ -23,34 +24,6 @@ def resolve_env_config(path: str) -> str:
     if not p.is_absolute() and not p.exists() and (REPO / p).is_file():
         return str(REPO / p)
     return path
-
-
-def str2bool(value: str) -> bool:
-    v = str(value).strip().lower()
-    if v in ("1", "true", "yes", "y", "on"):
-        return True
-    if v in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got '{value}'")
-
-
-class BoolFlag(argparse.Action):
-    """``--flag`` (true), ``--flag true|false`` (upstream habit, e.g. ``--amsgrad True``) and ``--no-flag``."""
-
-    def __init__(self, option_strings, dest, default=False, help=None, **kwargs):
-        strings = list(option_strings)
-        for s in option_strings:
-            if s.startswith("--"):
-                strings.append("--no-" + s[2:])
-        super().__init__(strings, dest, nargs="?", const=None, default=default, help=help, metavar="BOOL")
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string.startswith("--no-"):
-            if values is not None:
-                parser.error(f"{option_string} takes no value")
-            setattr(namespace, self.dest, False)
-        else:
-            setattr(namespace, self.dest, True if values is None else str2bool(values))
 
 
 def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") -> None:
@@ -67,7 +40,7 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).")
+    p = Parser(prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).")
     add_model_env_flags(p)
     p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")

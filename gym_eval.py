@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
+from cli import Parser
 from config import add_model_env_flags, validate_common, validate_gpu_ids
 from environment import atari_env, load_env_config, protocol
 from model import A3Clstm
@@ -38,7 +39,7 @@ PROG = "gym_eval.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Evaluate, watch or record a trained A3C-LSTM model.")
+    p = Parser(prog=PROG, description="Evaluate, watch or record a trained A3C-LSTM model.")
     add_model_env_flags(p, log_dir_short="-lgd")
     p.add_argument("--num-episodes", "-ne", type=int, default=100, help="games to play (default: %(default)s)")
     p.add_argument("--load-model-dir", "-lmd", default="trained_models/",

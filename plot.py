@@ -61,7 +61,8 @@ def label_for(path: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Plot monitor learning curves.")
+    from cli import Parser
+    p = Parser(prog=PROG, description="Plot monitor learning curves.")
     p.add_argument("inputs", nargs="+", help="monitor CSV files or folders that hold them")
     p.add_argument("--out", default="curves.png", help="output image: .png, .svg or .pdf (default: %(default)s)")
     p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")

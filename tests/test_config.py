@@ -1,0 +1,55 @@
+"""Flags: upstream names and defaults, real boolean switches, and validation that reports every problem."""
+import argparse
+
+import pytest
+
+from config import build_parser, rollout_length, validate
+
+
+def parse(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def test_upstream_defaults():
+    a = parse()
+    assert (a.lr, a.entropy_coef, a.value_coef, a.gamma, a.tau, a.seed, a.num_steps) == (1e-4, 0.01, 0.5, 0.99, 1.0, 1, 20)
+    assert a.env == "PongNoFrameskip-v4" and a.max_episode_length == 10000 and a.hidden_size == 512
+    assert a.optimizer == "Adam" and a.gpu_ids == [-1] and a.shared_optimizer is True and a.amsgrad is False
+    assert a.load_model_dir == a.save_model_dir == "trained_models/" and a.log_dir == "logs/"
+
+
+@pytest.mark.parametrize("argv,value", [([], False), (["--amsgrad"], True), (["-a", "True"], True),
+                                        (["--amsgrad", "false"], False), (["--no-amsgrad"], False)])
+def test_boolean_switches(argv, value):
+    assert parse(*argv).amsgrad is value
+
+
+def test_shared_optimizer_can_be_turned_off():
+    assert parse("--no-shared-optimizer").shared_optimizer is False
+    assert parse("-so", "False").shared_optimizer is False
+    with pytest.raises(SystemExit):
+        parse("--amsgrad", "maybe")
+
+
+def test_short_flags():
+    a = parse("-l", "0.001", "-ec", "0.02", "-vc", "1", "-g", "0.9", "-t", "0.92", "-w", "3", "-ns", "5",
+              "-mel", "100", "-ev", "ALE/Pong-v5", "-o", "RMSprop", "-gp", "-1", "-hs", "64", "-dss", "5", "10")
+    assert (a.lr, a.entropy_coef, a.value_coef, a.gamma, a.tau, a.workers, a.num_steps) == (0.001, 0.02, 1, 0.9, 0.92, 3, 5)
+    assert a.env == "ALE/Pong-v5" and a.optimizer == "RMSprop" and a.hidden_size == 64
+    assert [rollout_length(a, r) for r in range(3)] == [5, 10, 5]
+
+
+def test_validation_reports_everything_at_once():
+    errors = validate(parse("--lr", "0", "--tau", "2", "--workers", "0", "--num-steps", "0", "--env", "Nope-v4",
+                            "--max-steps", "-1", "-dss", "0"))
+    assert len(errors) == 7
+    assert any("unknown environment id 'Nope-v4'" in e for e in errors)
+    assert validate(parse()) == []
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    from conftest import run_entry
+    for script, args in (("main.py", ["--workers", "many"]), ("gym_eval.py", ["--bogus"]), ("plot.py", [])):
+        r = run_entry(script, *args, cwd=tmp_path, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+        assert r.stderr.startswith(f"{script}: error: ")
