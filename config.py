@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the monitor starts a test game every this many global steps (default: %(default)s)")
     p.add_argument("--test-every-seconds", type=float, default=0,
                    help="... or every this many seconds, whichever comes first; 0 = off")
+    p.add_argument("--status-every-seconds", type=float, default=60,
+                   help="log a status line (steps/s, smoothed losses) this often (default: %(default)s)")
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,
                    help="write the full checkpoint this often (and always at the end) (default: %(default)s)")
     return p
@@ -151,6 +153,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = off), got {args.max_grad_norm}"),
         (args.test_every_steps >= 0, f"--test-every-steps must be >= 0, got {args.test_every_steps}"),
         (args.test_every_seconds >= 0, f"--test-every-seconds must be >= 0, got {args.test_every_seconds}"),
+        (args.status_every_seconds > 0, f"--status-every-seconds must be > 0, got {args.status_every_seconds}"),
         (args.checkpoint_every_seconds > 0,
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]

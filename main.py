@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             if now - last_ckpt >= args.checkpoint_every_seconds:
                 save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start)
                 last_ckpt = now
-            if now - last_status >= 60:
+            if now - last_status >= args.status_every_seconds:
                 steps = run.global_steps.value
                 rate = (steps - status_steps) / (now - last_status)
                 log.info(status_line(run, rate))

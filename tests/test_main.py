@@ -24,7 +24,8 @@ def dirs(tmp_path):
 
 
 def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", "300", cwd=tmp_path)
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", "300", "--tensorboard-logger",
+                  "--status-every-seconds", "0.5", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "reached --max-steps 300" in r.stdout
     dat, ckpt_path = tmp_path / "models/PongNoFrameskip-v4.dat", tmp_path / "models/PongNoFrameskip-v4.ckpt"
@@ -41,6 +42,12 @@ def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
     assert games1
     rows1 = list(csv.DictReader(open(tmp_path / "logs/PongNoFrameskip-v4_monitor.csv")))
     assert len(rows1) == len(games1) and float(rows1[0]["score"]) >= -21 and int(rows1[0]["length"]) > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "logs/runs/PongNoFrameskip-v4_training"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"charts/episode_reward", "charts/episode_length", "charts/steps_per_s"} <= tags
+    assert {"losses/policy_loss", "losses/value_loss", "losses/entropy", "charts/train_steps_per_s"} <= tags
 
     r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", str(steps1 + 200), "--load", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
