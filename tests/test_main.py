@@ -64,11 +64,14 @@ def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
     assert int(rows2[-1]["global_steps"]) >= steps1
 
 
-def test_target_score_stops_the_run(tmp_path):
+def test_target_score_stops_the_run_and_save_max_keeps_upstream_semantics(tmp_path):
     r = run_entry("main.py", *TINY, *dirs(tmp_path), "--target-score", "-21", "--score-window", "1",
-                  "--max-steps", "0", cwd=tmp_path)
+                  "--max-steps", "0", "--save-max", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "reached --target-score -21" in r.stdout
+    # --save-max: the best starts at 0, so a -21 game writes no .dat; the full checkpoint is always written
+    assert not (tmp_path / "models/PongNoFrameskip-v4.dat").exists()
+    assert (tmp_path / "models/PongNoFrameskip-v4.ckpt").exists()
 
 
 def test_max_seconds_stops_the_run(tmp_path):

@@ -139,3 +139,31 @@ def test_a_failing_worker_reports_its_traceback(tmp_path):
     p.join(30)
     assert p.exitcode == 1 and role == "worker 0"
     assert "Traceback" in text and "unknown environment id 'NoSuchGameNoFrameskip-v4'" in text
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the norm of the gradient it is asked to apply."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.norms = []
+
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_max_grad_norm_clips_what_the_shared_optimizer_applies(tmp_path, max_norm):
+    args = worker_args(tmp_path, max_grad_norm=max_norm)
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    opt = RecordingSGD(shared.parameters())
+    run = RunState(mp.get_context("spawn"), 1)
+    run_worker(0, args, shared, opt, run, CPU, max_updates=4)
+    assert len(opt.norms) == 4
+    if max_norm:
+        assert max(opt.norms) <= max_norm + 1e-5
+    else:
+        assert max(opt.norms) > 0.5  # unclipped gradients of this model are larger
