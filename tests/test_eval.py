@@ -1,5 +1,8 @@
 """gym_eval.py and plot.py as subprocesses, on model files written here in the upstream format."""
 import json
+import shutil
+import subprocess
+import time
 from collections import OrderedDict
 
 import pytest
@@ -111,3 +114,19 @@ def test_bad_inputs(tmp_path, model_dir):
 def test_plot_bad_input(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
+
+
+@pytest.mark.skipif(shutil.which("Xvfb") is None, reason="needs Xvfb for a virtual display")
+def test_render_opens_a_window_on_a_virtual_display(tmp_path, model_dir):
+    display = ":87"
+    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                      "--num-episodes", "1", "--render", cwd=tmp_path, env_extra={"DISPLAY": display})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "1 games, mean" in r.stdout
+    finally:
+        xvfb.terminate()
+        xvfb.wait(10)
