@@ -118,6 +118,16 @@ class VideoWriter:
             self.writer.close()
 
 
+def real_time_fps(args: argparse.Namespace) -> float:
+    """Video frames per second for real-time playback: the Atari runs at 60 frames/s and each video frame is one
+    agent step of ``frameskip`` frames (the mean for stochastic frameskips such as ``(2, 5)``)."""
+    skip = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
+                    episodic_life=False)["frameskip"]
+    if isinstance(skip, (tuple, list)):
+        skip = (skip[0] + skip[1] - 1) / 2
+    return 60.0 / skip
+
+
 def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], device: torch.device, results) -> None:
     """Play the games with these indices and put ``(index, score, length, frames_recorded)`` on ``results``."""
     from player_util import play_game
@@ -135,7 +145,7 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
         torch.manual_seed(args.seed + i)
         recorder = None
         if render and args.record:
-            fps = env.metadata.get("render_fps", 60) / (args.skip_rate if "NoFrameskip" in args.env else 4)
+            fps = real_time_fps(args)
             recorder = VideoWriter(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4", fps)
         try:
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None

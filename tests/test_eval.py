@@ -64,8 +64,9 @@ def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
                     str(tmp_path / "videos"))
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert [v.name for v in videos] == ["PongNoFrameskip-v4_game000.mp4"]  # every 2nd game: game 0 only
-    n_frames, _ = imageio_ffmpeg.count_frames_and_secs(str(videos[0]))
+    n_frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(videos[0]))
     assert n_frames == s["lengths"][0]
+    assert seconds == pytest.approx(n_frames / 15.0, abs=0.2)  # real time: 60 frames/s, 4 frames a step
     meta = next(imageio_ffmpeg.read_frames(str(videos[0])))
     assert meta["codec"] == "h264" and meta["size"] == (160, 210)
 
