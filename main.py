@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         except ModelFileError as e:
             fail([str(e)])
         resume_ckpt = obj if is_checkpoint(obj) else None
+    same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
+    if not (args.load and same_dir):
+        existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
+                    if p.exists()]
+        if existing:
+            fail([f"{existing[0]} exists and this run would overwrite it: pass --load to continue training from it, "
+                  f"or --save-model-dir DIR to write elsewhere"])
 
     Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)

@@ -210,3 +210,11 @@ def test_model_file_for_another_game(tmp_path, models):
 def test_load_with_nothing_to_load(tmp_path):
     (line,) = bad(tmp_path, "--load")
     assert "--load: neither" in line
+
+
+def test_an_existing_model_is_never_overwritten_by_a_new_run(tmp_path, models):
+    dat = models / "PongNoFrameskip-v4.dat"
+    dat.write_bytes(b"a trained model")
+    (line,) = bad(tmp_path)
+    assert "PongNoFrameskip-v4.dat exists and this run would overwrite it: pass --load" in line
+    assert dat.read_bytes() == b"a trained model"
