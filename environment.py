@@ -296,6 +296,16 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
     return env
 
 
+def num_actions(env_id: str) -> int:
+    """The size of the minimal action set of ``env_id`` (makes the bare emulator once, no preprocessing)."""
+    spec = resolve_env_id(env_id)
+    env = gym.make(spec.make_id, **spec.make_kwargs)
+    try:
+        return int(env.action_space.n)
+    finally:
+        env.close()
+
+
 def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_life: bool) -> dict:
     """The evaluation protocol in words and numbers, so a score can be compared with papers."""
     spec = resolve_env_id(env_id)

@@ -31,7 +31,7 @@ import torch
 from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
 from cli import Parser
 from config import add_model_env_flags, validate_common, validate_gpu_ids
-from environment import atari_env, load_env_config, protocol
+from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
 from utils import format_duration, safe_name, setup_logger, worker_device
 
@@ -183,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_file(args)
     if not errors:
         try:
-            import gymnasium as gym
-            from environment import resolve_env_id
-            spec = resolve_env_id(args.env)
-            n_actions = gym.make(spec.make_id, **spec.make_kwargs).action_space.n
+            n_actions = num_actions(args.env)
             obj = read_weights(path)
             state_dict = state_dict_of(obj, path)
             check_state_dict(state_dict, n_actions, args.hidden_size, path, args.env)

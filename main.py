@@ -25,7 +25,7 @@ import torch
 from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, ModelFileError, atomic_save, check_state_dict,
                         checkpoint_path, cpu_state_dict, is_checkpoint, model_path, read_weights, state_dict_of)
 from config import build_parser, config_dict, validate
-from environment import resolve_env_id
+from environment import num_actions
 from model import A3Clstm
 from run_state import UPDATE_FIELDS, RunState
 from shared_optim import make_optimizer
@@ -34,17 +34,6 @@ from train import train
 from utils import safe_name, setup_logger
 
 JOIN_SECONDS = 8.0  # a stopped process gets this long to exit before it is terminated, then killed
-
-
-def num_actions(env_id: str) -> int:
-    """The size of the minimal action set of ``env_id`` (makes the bare emulator once, no preprocessing)."""
-    import gymnasium as gym
-    spec = resolve_env_id(env_id)
-    env = gym.make(spec.make_id, **spec.make_kwargs)
-    try:
-        return int(env.action_space.n)
-    finally:
-        env.close()
 
 
 def find_resume_file(args: Namespace) -> Path | None:

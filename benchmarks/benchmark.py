@@ -72,7 +72,8 @@ def env_steps_per_s(env_id: str, config: str, processes: int, seconds: float) ->
 
 def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
     """Run the real training processes (as main.py does) and count global steps over ``window`` seconds."""
-    from main import launch, num_actions, shutdown
+    from environment import num_actions
+    from main import launch, shutdown
 
     ctx = mp.get_context("spawn")
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
