@@ -33,7 +33,7 @@ from cli import Parser
 from config import add_model_env_flags, validate_common, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
-from utils import format_duration, safe_name, setup_logger, worker_device
+from utils import format_duration, keep_freed_memory, safe_name, setup_logger, worker_device
 
 PROG = "gym_eval.py"
 
@@ -160,6 +160,7 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
 def _worker(args, state_dict, games, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    keep_freed_memory()
     try:
         import setproctitle
         setproctitle.setproctitle("a3g eval")
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     if args.record:
         Path(args.record).mkdir(parents=True, exist_ok=True)

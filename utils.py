@@ -37,12 +37,39 @@ def setup_logger(name: str, path: Path | None = None, *, console: bool = False, 
     return logger
 
 
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest value glibc accepts on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the kernel.
+
+    A worker allocates and frees the same large tensors every rollout (a rollout's stacked activations, the
+    16 MB max-pool gradient of the first conv block). By default glibc serves blocks that large with a fresh
+    ``mmap`` and returns them on free, so every rollout pays ~10,000 page faults, zero-filling the pages again:
+    a third of the update's time on this model. With allocations up to 32 MB taken from the heap and the heap
+    never trimmed, the memory is reused: resident memory stays at its per-rollout peak, flat over a run.
+    Returns False (and changes nothing) where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))  # C int max
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
+
+
 def setup_child_process(role: str, num_threads: int = 1) -> None:
     """Process hygiene for a worker or the monitor.
 
     Names the process (``ps``/``top``), lets only the main process react to Ctrl-C (it stops everyone through an
-    event), asks the kernel to kill this process if the main process dies, and sets the thread count once.
+    event), asks the kernel to kill this process if the main process dies, sets the thread count once, and
+    keeps freed memory for reuse (``keep_freed_memory``).
     """
+    keep_freed_memory()
     try:
         import setproctitle
         setproctitle.setproctitle(f"a3g {role}")

@@ -8,6 +8,7 @@ Prints, in one run on this machine:
    counted over a fixed window after a warm-up, and each process's resident memory;
 3. the plain reference step cost: NCHW model, batch 1, one thread, a forward with gradients per step, the A3C
    loss, one backward per 20 steps, no environment (upstream's way of doing it);
+   It and 4. each run in a fresh process; 3. is also timed with this project's allocator setting;
 4. this project's model costs on one thread: the acting forward (no gradient) and the update (batched replay
    plus backward) per agent step;
 5. the ratios: training / environment, and training / (N x plain reference rate).
@@ -37,6 +38,7 @@ from losses import a3c_loss  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from run_state import RunState  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
+from utils import keep_freed_memory  # noqa: E402
 
 
 def _env_worker(env_id: str, config: str, seconds: float, seed: int, out) -> None:
@@ -172,6 +174,26 @@ def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
     return {"forward_ms": forward, "update_ms": upd, "optimizer_ms": step, "total_ms": forward + upd + step}
 
 
+def _measure_child(name: str, rollouts: int, keep_freed: bool, out) -> None:
+    torch.set_num_threads(1)
+    if keep_freed:
+        keep_freed_memory()
+    out.put(globals()[name](rollouts))
+
+
+def measure_isolated(name: str, rollouts: int, *, keep_freed: bool):
+    """Run ``plain_step_ms`` or ``our_step_ms`` in a fresh process, so that neither sees the other's heap;
+    ``keep_freed`` applies the allocator setting the training processes use (``utils.keep_freed_memory``)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_measure_child, args=(name, rollouts, keep_freed, out))
+    proc.start()
+    try:
+        return out.get(timeout=1800)
+    finally:
+        proc.join()
+
+
 def machine() -> dict:
     import ale_py
     import cv2
@@ -212,9 +234,11 @@ def main(argv=None) -> int:
 
     res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
     print(f"machine: {res['machine']}", flush=True)
-    res["plain_step_ms"] = plain_step_ms(opts.rollouts)
+    res["plain_step_ms"] = measure_isolated("plain_step_ms", opts.rollouts, keep_freed=False)
     print(f"plain reference step (NCHW, batch 1, grad per step, 1 thread): {res['plain_step_ms']:.2f} ms", flush=True)
-    res["ours"] = our_step_ms(opts.rollouts)
+    res["plain_keep_freed_step_ms"] = measure_isolated("plain_step_ms", opts.rollouts, keep_freed=True)
+    print(f"  the same with this project's allocator setting: {res['plain_keep_freed_step_ms']:.2f} ms", flush=True)
+    res["ours"] = measure_isolated("our_step_ms", opts.rollouts, keep_freed=True)
     o = res["ours"]
     print(f"this model per step (1 thread): forward {o['forward_ms']:.2f} ms + update {o['update_ms']:.2f} ms "
           f"+ optimizer {o['optimizer_ms']:.2f} ms = {o['total_ms']:.2f} ms", flush=True)
@@ -232,11 +256,13 @@ def main(argv=None) -> int:
         "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
         "training_over_plain": tr["steps_per_s"] / plain_rate,
         "plain_over_ours_step_cost": res["plain_step_ms"] / o["total_ms"],
+        "plain_keep_freed_over_ours_step_cost": res["plain_keep_freed_step_ms"] / o["total_ms"],
     }
     r = res["ratios"]
     print(f"ratios: training / environment {r['training_over_env']:.3f}; training / ({opts.workers} x plain rate "
           f"{plain_rate:.0f}) {r['training_over_plain']:.2f}x; plain / our model step cost "
-          f"{r['plain_over_ours_step_cost']:.2f}x", flush=True)
+          f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
+          f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {opts.json}")

@@ -1,0 +1,49 @@
+"""Process-level helpers in utils.py."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A worker's cycle: act 20 steps saving the conv activations, then the update's backward; 10 cycles to warm up,
+# then prints the page faults of the next 10.
+_PROBE = """
+import resource, sys, torch
+from model import A3Clstm, ConvCache
+from utils import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = A3Clstm(1, 6).channels_last()
+frames = torch.randn(20, 1, 80, 80)
+state = model.initial_state()
+def cycle():
+    cache = ConvCache()
+    with torch.no_grad():
+        hx, cx = state
+        for t in range(20):
+            _, _, (hx, cx) = model(frames[t: t + 1], (hx, cx), cache)
+    values, logits = model.unroll(frames, state, cache)
+    model.zero_grad(set_to_none=True)
+    (values.sum() + logits.sum()).backward()
+for _ in range(10):
+    cycle()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    cycle()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _page_faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    return int(out.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc setting")
+def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again():
+    default, kept = _page_faults("default"), _page_faults("keep")
+    assert default > 10 * 2000, default  # by default the freed heap is trimmed and faulted in again
+    assert kept < default / 10, (default, kept)
