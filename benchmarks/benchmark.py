@@ -11,7 +11,10 @@ Prints, in one run on this machine:
    It and 4. each run in a fresh process; 3. is also timed with this project's allocator setting;
 4. this project's model costs on one thread: the acting forward (no gradient) and the update (batched replay
    plus backward) per agent step;
-5. the ratios: training / environment, and training / (N x plain reference rate).
+5. plain training: upstream's worker loop (the plain model and step above, with the environment, the sampled
+   actions, a state_dict copy per rollout and the shared Adam) in N processes, over the same window;
+6. the ratios: training / environment, training / (N x plain reference rate), training / plain training, and
+   the plain reference step cost / this model's step cost.
 Runs vary by 15-25% on shared machines: compare the ratios within one run.
 """
 from __future__ import annotations
@@ -72,6 +75,15 @@ def env_steps_per_s(env_id: str, config: str, processes: int, seconds: float) ->
     return float(sum(rates))
 
 
+def _wait_for_first_steps(count, procs, timeout: float = 300.0) -> None:
+    """Wait until the processes have started stepping (process start-up is not part of the warm-up)."""
+    deadline = time.perf_counter() + timeout
+    while count() == 0:
+        if time.perf_counter() > deadline or not all(p.is_alive() for p in procs):
+            raise RuntimeError("the training processes did not start stepping")
+        time.sleep(0.2)
+
+
 def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
     """Run the real training processes (as main.py does) and count global steps over ``window`` seconds."""
     from environment import num_actions
@@ -84,6 +96,7 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     run = RunState(ctx, args.workers, args.score_window)
     procs = launch(ctx, args, shared, optimizer, run)
     try:
+        _wait_for_first_steps(lambda: run.global_steps.value, [p for _, p in procs])
         time.sleep(warmup)
         s0, t0 = run.global_steps.value, time.perf_counter()
         rss = []
@@ -99,6 +112,84 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
         raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+
+
+def _plain_worker(env_id: str, config: str, shared: A3Clstm, optimizer, rank: int, counter, stop) -> None:
+    """Upstream's worker loop, plainly: load the shared state_dict, then per step a batch-1 NCHW forward with
+    gradients, a sampled action and an environment step; every 20 steps the A3C loss, one backward, the
+    gradients copied to the shared model and the shared optimizer's step. Default allocator."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    env = atari_env(env_id, load_env_config(config, env_id), episodic_life=True)
+    model = A3Clstm(1, env.action_space.n)
+    obs, _ = env.reset(seed=rank)
+    hx, cx = model.initial_state()
+    while not stop.is_set():
+        model.load_state_dict(shared.state_dict())
+        hx, cx = hx.detach(), cx.detach()
+        values, logits, actions, rewards = [], [], [], []
+        done = False
+        for _ in range(20):
+            v, lg, (hx, cx) = model(torch.from_numpy(obs).unsqueeze(0), (hx, cx))
+            action = int(torch.multinomial(F.softmax(lg, dim=1), 1))
+            obs, reward, terminated, truncated, _ = env.step(action)
+            values.append(v.view(1))
+            logits.append(lg)
+            actions.append(action)
+            rewards.append(max(-1.0, min(1.0, float(reward))))
+            done = terminated or truncated
+            if done:
+                break
+        bootstrap = 0.0
+        if not done:
+            with torch.no_grad():
+                bootstrap = float(model(torch.from_numpy(obs).unsqueeze(0), (hx, cx))[0])
+        loss = a3c_loss(torch.cat(logits), torch.cat(values), torch.tensor(actions), torch.tensor(rewards),
+                        bootstrap, gamma=0.99, tau=1.0, entropy_coef=0.01, value_coef=0.5)
+        model.zero_grad(set_to_none=True)
+        loss.total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+        for lp, sp in zip(model.parameters(), shared.parameters()):
+            sp.grad = lp.grad
+        optimizer.step()
+        with counter.get_lock():
+            counter.value += len(actions)
+        if done:
+            obs, _ = env.reset()
+            hx, cx = model.initial_state()
+
+
+def plain_training_steps_per_s(env_id: str, config: str, processes: int, warmup: float, window: float) -> float:
+    """Agent steps/s of ``processes`` plain workers (``_plain_worker``) training one shared model with the
+    shared Adam, counted over ``window`` seconds after ``warmup``: what upstream's design gives on this machine."""
+    from environment import num_actions
+
+    ctx = mp.get_context("spawn")
+    shared = A3Clstm(1, num_actions(env_id))
+    shared.share_memory()
+    optimizer = make_optimizer("Adam", shared.parameters(), 1e-4, True, shared=True)
+    counter, stop = ctx.Value("q", 0), ctx.Event()
+    procs = [ctx.Process(target=_plain_worker, args=(env_id, config, shared, optimizer, i, counter, stop),
+                         daemon=True) for i in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        _wait_for_first_steps(lambda: counter.value, procs)
+        time.sleep(warmup)
+        s0, t0 = counter.value, time.perf_counter()
+        time.sleep(window)
+        steps, seconds = counter.value - s0, time.perf_counter() - t0
+        if not all(p.is_alive() for p in procs):
+            raise RuntimeError("a plain worker died during the benchmark")
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return steps / seconds
 
 
 def _timeit(fn, repeats: int) -> float:
@@ -217,7 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--env", default="PongNoFrameskip-v4")
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--gpu-ids", type=int, nargs="+", default=[-1])
-    p.add_argument("--warmup", type=float, default=20.0, help="seconds of training before counting")
+    p.add_argument("--warmup", type=float, default=20.0,
+                   help="seconds of training, after the first steps, before counting")
     p.add_argument("--window", type=float, default=60.0, help="seconds of training counted")
     p.add_argument("--env-seconds", type=float, default=15.0, help="seconds of environment-only stepping")
     p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
@@ -244,6 +336,10 @@ def main(argv=None) -> int:
           f"+ optimizer {o['optimizer_ms']:.2f} ms = {o['total_ms']:.2f} ms", flush=True)
     res["env_steps_per_s"] = env_steps_per_s(opts.env, args.env_config, opts.workers, opts.env_seconds)
     print(f"environment only, {opts.workers} processes: {res['env_steps_per_s']:.0f} steps/s", flush=True)
+    res["plain_training_steps_per_s"] = plain_training_steps_per_s(opts.env, args.env_config, opts.workers,
+                                                                   opts.warmup, opts.window)
+    print(f"plain training (upstream's worker loop), {opts.workers} workers: "
+          f"{res['plain_training_steps_per_s']:.0f} steps/s", flush=True)
     res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
     tr = res["training"]
     print(f"training, {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
@@ -255,12 +351,14 @@ def main(argv=None) -> int:
     res["ratios"] = {
         "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
         "training_over_plain": tr["steps_per_s"] / plain_rate,
+        "training_over_plain_training": tr["steps_per_s"] / res["plain_training_steps_per_s"],
         "plain_over_ours_step_cost": res["plain_step_ms"] / o["total_ms"],
         "plain_keep_freed_over_ours_step_cost": res["plain_keep_freed_step_ms"] / o["total_ms"],
     }
     r = res["ratios"]
     print(f"ratios: training / environment {r['training_over_env']:.3f}; training / ({opts.workers} x plain rate "
-          f"{plain_rate:.0f}) {r['training_over_plain']:.2f}x; plain / our model step cost "
+          f"{plain_rate:.0f}) {r['training_over_plain']:.2f}x; training / plain training "
+          f"{r['training_over_plain_training']:.2f}x; plain / our model step cost "
           f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
           f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
     if opts.json:
