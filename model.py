@@ -68,7 +68,7 @@ class A3Clstm(nn.Module):
     def convs(self) -> tuple[nn.Conv2d, ...]:
         return self.conv1, self.conv2, self.conv3, self.conv4
 
-    def features(self, x: torch.Tensor, cache: "ConvCache | None" = None) -> torch.Tensor:
+    def features(self, x: torch.Tensor, cache: "ActivationCache | None" = None) -> torch.Tensor:
         """Conv encoder: ``(B, 1, 80, 80) -> (B, 1024)``.
 
         With ``cache`` (acting under ``no_grad``), each block's input, max-pool indices and output are appended
@@ -91,35 +91,62 @@ class A3Clstm(nn.Module):
         """``hx (B, H) -> value (B, 1), logits (B, A)``."""
         return self.critic_linear(hx), self.actor_linear(hx)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], cache: "ConvCache | None" = None):
-        """One step for a batch: ``x (B, 1, 80, 80)``, ``state = (hx, cx)`` each ``(B, H)``."""
-        hx, cx = self.lstm(self.features(x, cache), state)
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
+                cache: "ActivationCache | None" = None):
+        """One step for a batch: ``x (B, 1, 80, 80)``, ``state = (hx, cx)`` each ``(B, H)``.
+
+        With ``cache`` (acting under ``no_grad``), the conv blocks' and the LSTM's activations are saved in it.
+        """
+        feats = self.features(x, cache)
+        if cache is None:
+            hx, cx = self.lstm(feats, state)
+        else:
+            hx, cx = self._lstm_step(feats, state, cache)
         value, logits = self.heads(hx)
         return value, logits, (hx, cx)
 
+    def _lstm_step(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], cache: "ActivationCache"):
+        """The LSTMCell step written out as ATen's CPU ``lstm_cell`` does it, keeping its activated gates
+        ``[i, f, g, o]`` and the new state for the update's backward (``_LSTMReplay``)."""
+        hx, cx = state
+        lstm = self.lstm
+        gates = F.linear(hx, lstm.weight_hh, lstm.bias_hh).add_(F.linear(x, lstm.weight_ih, lstm.bias_ih))
+        i, f, g, o = gates.chunk(4, 1)
+        i.sigmoid_()
+        f.sigmoid_()
+        g.tanh_()
+        o.sigmoid_()
+        cy = (f * cx).add_(i * g)
+        hy = o * cy.tanh()
+        cache.add_lstm(x, gates, cy, hy)
+        return hy, cy
+
     def unroll(self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
-               cache: "ConvCache | None" = None):
+               cache: "ActivationCache | None" = None):
         """Replay a rollout of one agent: ``frames (T, 1, 80, 80)`` from LSTM ``state`` (each ``(1, H)``).
 
-        Without ``cache`` the convolutions run batched over the T frames (much cheaper than T batch-1 calls).
-        With the ``cache`` filled while acting with these same weights, they do not run at all: the features
-        are taken from it, and backward computes the conv gradients from the saved activations (``_Replay``).
-        The LSTM runs as one sequence op (``torch.lstm``, the kernel behind ``nn.LSTM``) with this cell's own
-        weights: the same recurrence as T ``LSTMCell`` steps, but the input projection and the weight gradients
-        are one matrix product each instead of T. Returns ``values (T,)``, ``logits (T, A)``, equal to T calls of
-        ``forward`` (tested), gradients included.
+        With the ``cache`` filled while acting with these same weights, nothing runs forward again: the conv
+        features and the LSTM outputs are taken from it, and backward computes the gradients from the saved
+        activations (``_Replay`` for the conv blocks, ``_LSTMReplay`` for the LSTM; only the heads run).
+        Without ``cache`` the convolutions run batched over the T frames (much cheaper than T batch-1 calls)
+        and the LSTM runs as one sequence op (``torch.lstm``, the kernel behind ``nn.LSTM``) with this cell's
+        own weights. Either way this returns ``values (T,)``, ``logits (T, A)``, equal to T calls of
+        ``forward``, gradients included (tested).
         """
+        lstm = self.lstm
         if cache is None:
             feats = self.features(frames)
+            hx, cx = state
+            out, _, _ = torch.lstm(feats.unsqueeze(1), (hx.unsqueeze(0), cx.unsqueeze(0)),
+                                   [lstm.weight_ih, lstm.weight_hh, lstm.bias_ih, lstm.bias_hh],
+                                   True, 1, 0.0, self.training, False, False)
+            hs = out.squeeze(1)
         else:
             convs = self.convs()
             feats = _Replay.apply(cache.stacked(), convs, *[p for c in convs for p in (c.weight, c.bias)])
-        hx, cx = state
-        lstm = self.lstm
-        out, _, _ = torch.lstm(feats.unsqueeze(1), (hx.unsqueeze(0), cx.unsqueeze(0)),
-                               [lstm.weight_ih, lstm.weight_hh, lstm.bias_ih, lstm.bias_hh],
-                               True, 1, 0.0, self.training, False, False)
-        value, logits = self.heads(out.squeeze(1))
+            hs = _LSTMReplay.apply(feats, cache.stacked_lstm(), state, lstm.weight_ih, lstm.weight_hh,
+                                   lstm.bias_ih, lstm.bias_hh)
+        value, logits = self.heads(hs)
         return value.squeeze(1), logits
 
     def initial_state(self, batch: int = 1, device: torch.device | str = "cpu"):
@@ -128,12 +155,22 @@ class A3Clstm(nn.Module):
         return z, z.clone()
 
 
-class ConvCache:
-    """What the conv blocks saw while acting, per step: each block's input, max-pool indices and output."""
+class ActivationCache:
+    """What the model computed while acting, per step: each conv block's input, max-pool indices and output,
+    and the LSTM's input, activated gates and new cell and hidden state."""
 
     def __init__(self):
         self.steps: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         self._current: list | None = None
+        self.lstm_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add_lstm(self, x: torch.Tensor, gates: torch.Tensor, cy: torch.Tensor, hy: torch.Tensor) -> None:
+        self.lstm_steps.append((x, gates, cy, hy))
+
+    def stacked_lstm(self) -> tuple[torch.Tensor, ...]:
+        """``(gates (T, 4H), c (T, H), h (T, H))``: the T steps concatenated (the inputs come from the conv
+        replay instead)."""
+        return tuple(torch.cat([step[i] for step in self.lstm_steps]) for i in (1, 2, 3))
 
     def add(self, block_input: torch.Tensor, indices: torch.Tensor, output: torch.Tensor) -> None:
         if self._current is None or len(self._current) == 4:
@@ -147,6 +184,51 @@ class ConvCache:
     def stacked(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per block, the T steps concatenated along the batch dimension."""
         return [tuple(torch.cat([step[b][i] for step in self.steps]) for i in range(3)) for b in range(4)]
+
+
+class _LSTMReplay(torch.autograd.Function):
+    """The LSTM's outputs over a rollout as a function of its input features and weights, from the gates saved
+    while acting: forward returns the saved hidden states ``h (T, H)``; backward is the LSTMCell backward
+    through time done by hand, the weight and input gradients one matrix product each over the T steps.
+    The gradients equal autograd's through T ``LSTMCell`` steps (tested). The initial state gets none: it is
+    carried over from the last rollout, detached."""
+
+    @staticmethod
+    def forward(ctx, feats, saved, state, w_ih, w_hh, b_ih, b_hh):
+        gates, c, h = saved
+        h0, c0 = state
+        ctx.save_for_backward(feats, gates, c, h, h0, c0, w_ih, w_hh)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh_out):
+        feats, gates, c, h, h0, c0, w_ih, w_hh = ctx.saved_tensors
+        steps, n = c.shape
+        i, f, g, o = gates.split(n, 1)
+        c_prev = torch.cat([c0, c[:-1]])
+        tanh_c = c.tanh()
+        # d(c_t) from d(h_t): o * (1 - tanh^2 c); d(pre-activation o) from d(h_t): tanh c * o(1 - o)
+        from_h_to_c = o * (1 - tanh_c * tanh_c)
+        o_pre = tanh_c * o * (1 - o)
+        # d(pre-activation) of i, f, g from d(c_t): g * i(1-i), c_prev * f(1-f), i * (1 - g^2)
+        ifg_pre = torch.stack([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g)], 1)  # (T, 3, H)
+        d_gates = torch.empty_like(gates)
+        d_ifg = d_gates[:, : 3 * n].view(steps, 3, n)
+        d_o = d_gates[:, 3 * n:]
+        dh_next = torch.zeros_like(h0)
+        dc_next = torch.zeros_like(c0)
+        for t in range(steps - 1, -1, -1):
+            dh = dh_out[t: t + 1] + dh_next
+            dc = torch.addcmul(dc_next, dh, from_h_to_c[t: t + 1])
+            torch.mul(ifg_pre[t], dc, out=d_ifg[t])
+            torch.mul(o_pre[t: t + 1], dh, out=d_o[t: t + 1])
+            if t:
+                dh_next = d_gates[t: t + 1] @ w_hh
+                dc_next = dc * f[t: t + 1]
+        h_prev = torch.cat([h0, h[:-1]])
+        d_bias = d_gates.sum(0)
+        d_feats = d_gates @ w_ih if ctx.needs_input_grad[0] else None
+        return d_feats, None, None, d_gates.t() @ feats, d_gates.t() @ h_prev, d_bias, d_bias.clone()
 
 
 class _Replay(torch.autograd.Function):

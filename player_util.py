@@ -1,7 +1,7 @@
 """The agent a worker drives: acting in its environment, and one A3C update from a rollout.
 
 Acting runs under ``torch.no_grad`` and keeps only what the update needs: frames, actions, rewards, the LSTM
-state at the rollout's start, and the conv blocks' activations (``ConvCache``). The update replays the rollout
+state at the rollout's start, and the conv blocks' activations (``ActivationCache``). The update replays the rollout
 with gradients through ``A3Clstm.unroll``: the conv gradients come from the saved activations, and the LSTM and
 heads run once over the whole rollout from the saved state. The weights do not change during a rollout (the
 local copy is synced only between rollouts), so this is upstream's forward-with-grad at every step and gives
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from losses import A3CLoss, a3c_loss, bootstrap_value
-from model import A3Clstm, ConvCache
+from model import A3Clstm, ActivationCache
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Rollout:
     terminated: bool
     truncated: bool
     bootstrap: float
-    cache: ConvCache | None = None
+    cache: ActivationCache | None = None
 
 
 class Agent:
@@ -75,7 +75,7 @@ class Agent:
         if self.episode_done:
             self.reset()
         state = (self.hx.clone(), self.cx.clone())
-        cache = ConvCache()
+        cache = ActivationCache()
         frames, actions, rewards = [], [], []
         hx, cx = self.hx, self.cx
         terminated = truncated = False

@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -228,7 +229,7 @@ def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
     """This project's costs per agent step (one thread): the acting forward (no gradient, saving the conv
     activations) and the update (replay from the saved activations, LSTM over the rollout, backward), and one
     shared optimizer step (amortised over the rollout)."""
-    from model import ConvCache
+    from model import ActivationCache
     from shared_optim import SharedAdam
 
     torch.manual_seed(0)
@@ -241,7 +242,7 @@ def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
 
     @torch.no_grad()
     def act():
-        cache = ConvCache()
+        cache = ActivationCache()
         hx, cx = state
         for t in range(num_steps):
             _, _, (hx, cx) = model(frames[t: t + 1], (hx, cx), cache)
@@ -313,6 +314,7 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of training counted")
     p.add_argument("--env-seconds", type=float, default=15.0, help="seconds of environment-only stepping")
     p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
+    p.add_argument("--repeats", type=int, default=3, help="alternated rounds of the step-cost timings (median)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     opts = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -326,11 +328,18 @@ def main(argv=None) -> int:
 
     res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
     print(f"machine: {res['machine']}", flush=True)
-    res["plain_step_ms"] = measure_isolated("plain_step_ms", opts.rollouts, keep_freed=False)
+    rounds = {"plain": [], "plain_keep_freed": [], "ours": []}
+    for _ in range(opts.repeats):  # alternated, so that a slow spell of a shared machine hits all three
+        rounds["plain"].append(measure_isolated("plain_step_ms", opts.rollouts, keep_freed=False))
+        rounds["plain_keep_freed"].append(measure_isolated("plain_step_ms", opts.rollouts, keep_freed=True))
+        rounds["ours"].append(measure_isolated("our_step_ms", opts.rollouts, keep_freed=True))
+    res["step_cost_rounds"] = rounds
+    res["plain_step_ms"] = statistics.median(rounds["plain"])
+    res["plain_keep_freed_step_ms"] = statistics.median(rounds["plain_keep_freed"])
+    res["ours"] = sorted(rounds["ours"], key=lambda r: r["total_ms"])[len(rounds["ours"]) // 2]  # median round
+    print(f"step costs: the median of {opts.repeats} alternated rounds, each in fresh processes", flush=True)
     print(f"plain reference step (NCHW, batch 1, grad per step, 1 thread): {res['plain_step_ms']:.2f} ms", flush=True)
-    res["plain_keep_freed_step_ms"] = measure_isolated("plain_step_ms", opts.rollouts, keep_freed=True)
     print(f"  the same with this project's allocator setting: {res['plain_keep_freed_step_ms']:.2f} ms", flush=True)
-    res["ours"] = measure_isolated("our_step_ms", opts.rollouts, keep_freed=True)
     o = res["ours"]
     print(f"this model per step (1 thread): forward {o['forward_ms']:.2f} ms + update {o['update_ms']:.2f} ms "
           f"+ optimizer {o['optimizer_ms']:.2f} ms = {o['total_ms']:.2f} ms", flush=True)

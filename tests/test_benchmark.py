@@ -7,7 +7,7 @@ from conftest import ROOT, run_entry
 def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
-                     "--env-seconds", "2", "--rollouts", "2", "--json", str(out), cwd=tmp_path, timeout=280)
+                     "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out), cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     for key in ("plain_step_ms", "plain_keep_freed_step_ms", "env_steps_per_s", "plain_training_steps_per_s"):

@@ -125,13 +125,13 @@ def test_corrupt_and_foreign_files(tmp_path):
 
 
 def test_replay_from_saved_activations_gives_the_same_gradients():
-    from model import ConvCache
+    from model import ActivationCache
     torch.manual_seed(0)
     m = A3Clstm(1, 6, 64).channels_last()
     frames = torch.randn(6, 1, 80, 80)
     frames[:, :, :20] = 0.0  # a flat region: ties inside max-pool windows
     state = (torch.randn(1, 64), torch.randn(1, 64))
-    cache = ConvCache()
+    cache = ActivationCache()
     with torch.no_grad():
         hx, cx = state
         for t in range(6):
@@ -146,3 +146,37 @@ def test_replay_from_saved_activations_gives_the_same_gradients():
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
     for (name, _), a, b in zip(m.named_parameters(), results[0][1], results[1][1]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("steps", [1, 7])
+def test_lstm_replay_backward_equals_autograd_through_lstmcell_steps(steps):
+    from model import ActivationCache, _LSTMReplay
+    torch.manual_seed(steps)
+    m = A3Clstm(1, 6, 16).double()
+    feats = torch.randn(steps, 1024, dtype=torch.float64)
+    state = (torch.randn(1, 16, dtype=torch.float64), torch.randn(1, 16, dtype=torch.float64))
+    upstream = torch.randn(steps, 16, dtype=torch.float64)  # an arbitrary gradient on the hidden states
+    lstm = m.lstm
+    cache = ActivationCache()
+    with torch.no_grad():
+        hx, cx = state
+        for t in range(steps):
+            hx, cx = m._lstm_step(feats[t: t + 1], (hx, cx), cache)
+    x1 = feats.clone().requires_grad_()
+    hs = _LSTMReplay.apply(x1, cache.stacked_lstm(), state, lstm.weight_ih, lstm.weight_hh, lstm.bias_ih,
+                           lstm.bias_hh)
+    (hs * upstream).sum().backward()
+    replay = [x1.grad] + [p.grad.clone() for p in lstm.parameters()]
+    m.zero_grad(set_to_none=True)
+    x2 = feats.clone().requires_grad_()
+    hx, cx = state
+    reference_h = []
+    for t in range(steps):
+        hx, cx = lstm(x2[t: t + 1], (hx, cx))
+        reference_h.append(hx)
+    reference_h = torch.cat(reference_h)
+    (reference_h * upstream).sum().backward()
+    reference = [x2.grad] + [p.grad for p in lstm.parameters()]
+    assert torch.allclose(hs, reference_h, atol=1e-12)
+    for (name, _), a, b in zip([("input", None)] + list(lstm.named_parameters()), replay, reference):
+        assert torch.allclose(a, b, atol=1e-10, rtol=1e-8), name

@@ -9,7 +9,7 @@ import pytest
 # then prints the page faults of the next 10.
 _PROBE = """
 import resource, sys, torch
-from model import A3Clstm, ConvCache
+from model import A3Clstm, ActivationCache
 from utils import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
@@ -19,7 +19,7 @@ model = A3Clstm(1, 6).channels_last()
 frames = torch.randn(20, 1, 80, 80)
 state = model.initial_state()
 def cycle():
-    cache = ConvCache()
+    cache = ActivationCache()
     with torch.no_grad():
         hx, cx = state
         for t in range(20):
