@@ -1,11 +1,11 @@
 """The agent a worker drives: acting in its environment, and one A3C update from a rollout.
 
 Acting runs under ``torch.no_grad`` and keeps only what the update needs: frames, actions, rewards, the LSTM
-state at the rollout's start, and the conv blocks' activations (``ActivationCache``). The update replays the rollout
-with gradients through ``A3Clstm.unroll``: the conv gradients come from the saved activations, and the LSTM and
-heads run once over the whole rollout from the saved state. The weights do not change during a rollout (the
-local copy is synced only between rollouts), so this is upstream's forward-with-grad at every step and gives
-the same gradient (tested against that slow path), at a fraction of the cost.
+state at the rollout's start, and the conv blocks' and the LSTM's activations (``ActivationCache``). The update
+replays the rollout with gradients through ``A3Clstm.unroll``: the conv and LSTM gradients come from the saved
+activations, and only the heads run again, once over the whole rollout. The weights do not change during a
+rollout (the local copy is synced only between rollouts), so this is upstream's forward-with-grad at every step
+and gives the same gradient (tested against that slow path), at a fraction of the cost.
 """
 from __future__ import annotations
 
