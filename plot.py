@@ -67,8 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="curves.png", help="output image: .png, .svg or .pdf (default: %(default)s)")
     p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")
     p.add_argument("--title", default=None, help="figure title (default: env and run names)")
+    p.add_argument("--labels", nargs="+", default=None,
+                   help="legend names, one per curve in input order (default: the run folders' names, or the "
+                        "file names where those repeat)")
     args = p.parse_args(argv)
     paths, errors = find_csvs(args.inputs)
+    if args.labels is not None and len(args.labels) != len(paths):
+        errors.append(f"--labels names {len(args.labels)} curves but the inputs hold {len(paths)}: give one "
+                      f"label per monitor CSV")
     if Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     if args.window < 1:
@@ -90,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
 
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     envs, runs = set(), []
-    for path, c in curves:
-        env, run = label_for(path)
+    names = [label_for(path) for path, _ in curves]
+    repeated = len({run for _, run in names}) < len(names)
+    for k, ((path, c), (env, run)) in enumerate(zip(curves, names)):
+        if repeated:
+            run = path.stem[: -len("_monitor")] if path.stem.endswith("_monitor") else path.stem
         envs.add(env)
         runs.append(run)
-        label = run if len(curves) > 1 else env
+        label = args.labels[k] if args.labels else (run if len(curves) > 1 else env)
         smooth = rolling_mean(c["score"], args.window)
         for ax, x in ((ax_steps, [s / 1e6 for s in c["steps"]]), (ax_time, c["hours"])):
             line, = ax.plot(x, smooth, label=f"{label} (mean of {args.window})")

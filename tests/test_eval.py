@@ -88,6 +88,22 @@ def test_plot_from_a_tiny_training_run(tmp_path):
                      cwd=tmp_path).returncode == 0
     assert svg.read_text().lstrip().startswith("<?xml")
 
+    # two runs' CSVs in one folder: legend names from the file names, or from --labels
+    csv = (tmp_path / "run/logs/PongNoFrameskip-v4_monitor.csv").read_text()
+    (tmp_path / "cmp").mkdir()
+    for name in ("before", "after"):
+        (tmp_path / "cmp" / f"{name}_monitor.csv").write_text(csv)
+    rc = tmp_path / "matplotlibrc"
+    rc.write_text("svg.fonttype: none\n")  # text stays text in the SVG
+    both = [str(tmp_path / "cmp/before_monitor.csv"), str(tmp_path / "cmp/after_monitor.csv")]
+    for extra, names in (([], ("before", "after")), (["--labels", "old code", "new code"], ("old code", "new code"))):
+        r = run_entry("plot.py", *both, "--out", str(svg), *extra, cwd=tmp_path, env_extra={"MATPLOTLIBRC": str(rc)})
+        assert r.returncode == 0, r.stderr
+        text = svg.read_text()
+        assert all(f"{n} (mean of 10)" in text for n in names), names
+    r = run_entry("plot.py", *both, "--out", str(svg), "--labels", "only one", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--labels names 1 curves" in r.stderr
+
 
 def bad_eval(tmp_path, *args, env_extra=None):
     r = run_entry("gym_eval.py", "--log-dir", str(tmp_path / "logs"), *args, cwd=tmp_path, env_extra=env_extra,
