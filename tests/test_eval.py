@@ -147,3 +147,13 @@ def test_render_opens_a_window_on_a_virtual_display(tmp_path, model_dir):
     finally:
         xvfb.terminate()
         xvfb.wait(10)
+
+
+def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(tmp_path):
+    shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
+    r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v4", "--model-file", str(shipped), "--num-episodes", "1",
+                  "--seed", "1", "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "s.json"),
+                  cwd=tmp_path, timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["episodes"] == 1 and summary["scores"][0] >= 20  # it wins every game of the 100 published
