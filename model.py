@@ -118,7 +118,7 @@ class A3Clstm(nn.Module):
         o.sigmoid_()
         cy = (f * cx).add_(i * g)
         hy = o * cy.tanh()
-        cache.add_lstm(x, gates, cy, hy)
+        cache.add_lstm(gates, cy, hy)
         return hy, cy
 
     def unroll(self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
@@ -157,20 +157,20 @@ class A3Clstm(nn.Module):
 
 class ActivationCache:
     """What the model computed while acting, per step: each conv block's input, max-pool indices and output,
-    and the LSTM's input, activated gates and new cell and hidden state."""
+    and the LSTM's activated gates and new cell and hidden state."""
 
     def __init__(self):
         self.steps: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         self._current: list | None = None
-        self.lstm_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.lstm_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def add_lstm(self, x: torch.Tensor, gates: torch.Tensor, cy: torch.Tensor, hy: torch.Tensor) -> None:
-        self.lstm_steps.append((x, gates, cy, hy))
+    def add_lstm(self, gates: torch.Tensor, cy: torch.Tensor, hy: torch.Tensor) -> None:
+        self.lstm_steps.append((gates, cy, hy))
 
     def stacked_lstm(self) -> tuple[torch.Tensor, ...]:
-        """``(gates (T, 4H), c (T, H), h (T, H))``: the T steps concatenated (the inputs come from the conv
-        replay instead)."""
-        return tuple(torch.cat([step[i] for step in self.lstm_steps]) for i in (1, 2, 3))
+        """``(gates (T, 4H), c (T, H), h (T, H))``: the T steps concatenated (the LSTM's inputs are the conv
+        features, which the conv replay gives)."""
+        return tuple(torch.cat([step[i] for step in self.lstm_steps]) for i in range(3))
 
     def add(self, block_input: torch.Tensor, indices: torch.Tensor, output: torch.Tensor) -> None:
         if self._current is None or len(self._current) == 4:
