@@ -48,7 +48,7 @@ def keep_freed_memory() -> bool:
     A worker allocates and frees the same large tensors every rollout (a rollout's stacked activations, the
     16 MB max-pool gradient of the first conv block). By default glibc serves blocks that large with a fresh
     ``mmap`` and returns them on free, so every rollout pays ~10,000 page faults, zero-filling the pages again:
-    a third of the update's time on this model. With allocations up to 32 MB taken from the heap and the heap
+    about 30% of the update's time on this model. With allocations up to 32 MB taken from the heap and the heap
     never trimmed, the memory is reused: resident memory stays at its per-rollout peak, flat over a run.
     Returns False (and changes nothing) where the C library is not glibc.
     """

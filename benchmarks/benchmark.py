@@ -8,7 +8,7 @@ Prints, in one run on this machine:
    counted over a fixed window after a warm-up, and each process's resident memory;
 3. the plain reference step cost: NCHW model, batch 1, one thread, a forward with gradients per step, the A3C
    loss, one backward per 20 steps, no environment (upstream's way of doing it);
-   It and 4. each run in a fresh process; 3. is also timed with this project's allocator setting;
+   3. and 4. each run in a fresh process; 3. is also timed with this project's allocator setting;
 4. this project's model costs on one thread: the acting forward (no gradient) and the update (batched replay
    plus backward) per agent step;
 5. plain training: upstream's worker loop (the plain model and step above, with the environment, the sampled
