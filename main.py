@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         if optimizer is not None and opt_state is not None and resume_ckpt.get("optimizer_name") == args.optimizer:
             optimizer.load_state_dict(opt_state)
             log.info(f"resumed the {args.optimizer} statistics")
+            saved = optimizer.saved_hyperparameters(opt_state)[0]
+            changed = [f"{k} {saved[k]} -> {v}" for k, v in optimizer.param_groups[0].items()
+                       if k in ("lr", "amsgrad") and k in saved and saved[k] != v]
+            if changed:
+                log.info("the command line changes the checkpoint's " + ", ".join(changed))
         else:
             log.info("optimizer statistics not resumed (none saved, or another optimizer)")
     if resume_path is not None:

@@ -33,8 +33,13 @@ class _SharedStateMixin:
         return self
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Copy a saved state into the existing shared tensors (the base class would replace them with private
-        ones, silently un-sharing the statistics)."""
+        """Copy a saved state's statistics into the existing shared tensors (the base class would replace them
+        with private ones, silently un-sharing the statistics).
+
+        The hyperparameters (``lr``, ``betas``, ``eps``, ``amsgrad``, ...) stay the ones this optimizer was built
+        with, i.e. the command line's: resuming with ``--lr 5e-5`` trains at 5e-5. (``torch.optim`` would restore the
+        saved ones, so a changed flag would be silently ignored, and a changed ``amsgrad`` would step without its
+        statistics.) ``saved_hyperparameters`` tells what the checkpoint had."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("optimizer state has a different number of parameter groups")
@@ -53,10 +58,11 @@ class _SharedStateMixin:
                                      f"expected {tuple(target.shape)}")
                 with torch.no_grad():
                     target.copy_(value)
-        for group, saved in zip(self.param_groups, saved_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    group[k] = v
+
+    @staticmethod
+    def saved_hyperparameters(state_dict: dict) -> list[dict]:
+        """Each saved parameter group's hyperparameters (everything but the parameter ids)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
 
 
 class SharedAdam(_SharedStateMixin, torch.optim.Adam):

@@ -49,10 +49,13 @@ def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
     assert {"charts/episode_reward", "charts/episode_length", "charts/steps_per_s"} <= tags
     assert {"losses/policy_loss", "losses/value_loss", "losses/entropy", "charts/train_steps_per_s"} <= tags
 
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", str(steps1 + 200), "--load", cwd=tmp_path)
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", str(steps1 + 200), "--load", "--lr", "5e-05",
+                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"at {steps1:,} global steps" in r.stdout and "resumed the Adam statistics" in r.stdout
+    assert "the command line changes the checkpoint's lr 0.0001 -> 5e-05" in r.stdout
     ckpt2 = torch.load(ckpt_path, weights_only=True)
+    assert ckpt2["optimizer"]["param_groups"][0]["lr"] == 5e-05  # the new rate was used, not the saved one
     assert ckpt2["global_steps"] >= steps1 + 200
     assert ckpt2["monitor"][0] > ckpt["monitor"][0]  # game count carried on
     step_counts = [s["step"].item() for s in ckpt2["optimizer"]["state"].values()]

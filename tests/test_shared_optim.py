@@ -68,6 +68,35 @@ def test_load_state_dict_keeps_state_shared_and_continues_identically():
             assert torch.equal(s_src[k], s_dst[k]) and s_dst[k].is_shared()
 
 
+@pytest.mark.parametrize("cls,kw", [(SharedAdam, {}), (SharedRMSprop, {})])
+def test_load_state_dict_keeps_the_constructors_hyperparameters(cls, kw):
+    src = cls(make_params(), lr=1e-3, **kw)
+    for p in src.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    src.step()
+    dst = cls(make_params(), lr=5e-5, **kw)
+    dst.load_state_dict(src.state_dict())
+    assert dst.param_groups[0]["lr"] == 5e-5  # the command line's rate, not the saved one
+    assert cls.saved_hyperparameters(src.state_dict())[0]["lr"] == 1e-3
+    assert all(s["step"].item() == 1 for s in dst.state.values())  # the statistics did come over
+
+
+def test_resuming_plain_adam_statistics_with_amsgrad_on_steps():
+    src = SharedAdam(make_params(), lr=1e-2)
+    for p in src.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    src.step()
+    params = make_params()
+    dst = SharedAdam(params, lr=1e-2, amsgrad=True)
+    dst.load_state_dict(src.state_dict())
+    assert dst.param_groups[0]["amsgrad"] is True
+    for p in params:
+        p.grad = torch.ones_like(p)
+    dst.step()  # the AMSGrad maximum starts from the loaded second moments
+    for p in params:
+        assert torch.equal(dst.state[p]["max_exp_avg_sq"], dst.state[p]["exp_avg_sq"])
+
+
 def test_make_optimizer_private():
     opt = make_optimizer("RMSprop", make_params(), 1e-3, shared=False)
     assert type(opt) is torch.optim.RMSprop and opt.defaults["eps"] == 0.1
