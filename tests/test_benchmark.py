@@ -1,5 +1,8 @@
 """The benchmark script runs end to end with tiny budgets and its JSON holds consistent numbers."""
 import json
+import re
+
+import pytest
 
 from conftest import ROOT, run_entry
 
@@ -18,3 +21,12 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert abs(r["training_over_plain_training"] - tr["steps_per_s"] / res["plain_training_steps_per_s"]) < 1e-9
     assert abs(r["plain_over_ours_step_cost"] - res["plain_step_ms"] / res["ours"]["total_ms"]) < 1e-9
     assert res["machine"]["torch"].startswith("2.") and "plain training" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compile_benchmark_runs_and_the_compiled_forward_matches(tmp_path):
+    proc = run_entry("benchmarks/compile_forward.py", "--steps", "2", "--rounds", "1", "--hidden-size", "32",
+                     cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    diff = float(re.search(r"max \|logit difference\| (\S+)", proc.stdout).group(1))
+    assert diff < 1e-5 and "eager/compiled" in proc.stdout
