@@ -5,7 +5,8 @@
 Prints, in one run on this machine:
 1. environment-only agent steps/s with N processes (the training preprocessing, random actions);
 2. training agent steps/s of the real training processes (N workers + the monitor at its default cadence),
-   counted over a fixed window after a warm-up, and each process's resident memory;
+   counted over a fixed window after a warm-up, and each process's resident memory; with ``--gpu-ids``, also
+   each GPU's utilisation (mean over the window) and each process's GPU memory, read with ``nvidia-smi``;
 3. the plain reference step cost: NCHW model, batch 1, one thread, a forward with gradients per step, the A3C
    loss, one backward per 20 steps, no environment (upstream's way of doing it);
    3. and 4. each run in a fresh process; 3. is also timed with this project's allocator setting;
@@ -24,7 +25,9 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,6 +88,55 @@ def _wait_for_first_steps(count, procs, timeout: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+def parse_gpu_sample(gpus_csv: str, apps_csv: str, roles_by_pid: dict[int, str]) -> dict:
+    """Parse ``nvidia-smi --query-gpu=index,utilization.gpu,memory.used`` and
+    ``--query-compute-apps=pid,used_memory`` (both ``--format=csv,noheader,nounits``) into
+    ``{"gpus": {index: {"util_pct", "memory_mib"}}, "process_memory_mib": {role: MiB}}``; processes that are not
+    ours are left out."""
+    gpus, procs = {}, {}
+    for line in gpus_csv.strip().splitlines():
+        index, util, mem = (f.strip() for f in line.split(","))
+        gpus[int(index)] = {"util_pct": float(util), "memory_mib": float(mem)}
+    for line in apps_csv.strip().splitlines():
+        pid, mem = (f.strip() for f in line.split(","))
+        role = roles_by_pid.get(int(pid))
+        if role is not None:
+            procs[role] = procs.get(role, 0.0) + float(mem)
+    return {"gpus": gpus, "process_memory_mib": procs}
+
+
+def gpu_sample(roles_by_pid: dict[int, str]) -> dict | None:
+    """One ``nvidia-smi`` reading (see ``parse_gpu_sample``); None where there is no working ``nvidia-smi``."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    out = []
+    for query in ("--query-gpu=index,utilization.gpu,memory.used", "--query-compute-apps=pid,used_memory"):
+        try:
+            r = subprocess.run([exe, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                               timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if r.returncode != 0:
+            return None
+        out.append(r.stdout)
+    return parse_gpu_sample(out[0], out[1], roles_by_pid)
+
+
+def summarize_gpu_samples(samples: list[dict]) -> dict | None:
+    """Mean utilisation and peak memory per GPU, and peak GPU memory per process, over the window's samples."""
+    if not samples:
+        return None
+    gpus = {}
+    for index in samples[0]["gpus"]:
+        readings = [s["gpus"][index] for s in samples if index in s["gpus"]]
+        gpus[index] = {"util_pct_mean": statistics.fmean(r["util_pct"] for r in readings),
+                       "memory_mib_max": max(r["memory_mib"] for r in readings)}
+    roles = sorted({role for s in samples for role in s["process_memory_mib"]})
+    procs = {role: max(s["process_memory_mib"].get(role, 0.0) for s in samples) for role in roles}
+    return {"samples": len(samples), "gpus": gpus, "process_memory_mib_max": procs}
+
+
 def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
     """Run the real training processes (as main.py does) and count global steps over ``window`` seconds."""
     from environment import num_actions
@@ -100,11 +152,16 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
         _wait_for_first_steps(lambda: run.global_steps.value, [p for _, p in procs])
         time.sleep(warmup)
         s0, t0 = run.global_steps.value, time.perf_counter()
-        rss = []
+        rss, gpu = [], []
+        on_gpu = any(g >= 0 for g in args.gpu_ids)
+        roles_by_pid = {p.pid: role for role, p in procs}
         deadline = t0 + window
         while time.perf_counter() < deadline:
             time.sleep(min(5.0, max(0.0, deadline - time.perf_counter())))
             rss.append({role: psutil.Process(p.pid).memory_info().rss / 2 ** 20 for role, p in procs if p.is_alive()})
+            sample = gpu_sample(roles_by_pid) if on_gpu else None
+            if sample is not None:
+                gpu.append(sample)
         s1, t1 = run.global_steps.value, time.perf_counter()
         dead = [role for role, p in procs if not p.is_alive()]
     finally:
@@ -112,7 +169,7 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     if dead:
         raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
-            "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+            "rss_mib_start": rss[0], "rss_mib_end": rss[-1], "gpu": summarize_gpu_samples(gpu)}
 
 
 def _plain_worker(env_id: str, config: str, shared: A3Clstm, optimizer, rank: int, counter, stop) -> None:
@@ -356,6 +413,14 @@ def main(argv=None) -> int:
     print("resident memory MiB (start -> end of window): " + ", ".join(
         f"{k} {tr['rss_mib_start'][k]:.0f} -> {tr['rss_mib_end'].get(k, float('nan')):.0f}"
         for k in tr["rss_mib_start"]), flush=True)
+    if tr["gpu"] is not None:
+        g = tr["gpu"]
+        print("GPU over the window (nvidia-smi, every 5 s): " + ", ".join(
+            f"GPU {i} utilisation {v['util_pct_mean']:.0f}%, memory {v['memory_mib_max']:.0f} MiB"
+            for i, v in g["gpus"].items()) + "; per process MiB: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in g["process_memory_mib_max"].items()), flush=True)
+    elif any(i >= 0 for i in opts.gpu_ids):
+        print("GPU utilisation and memory: not read (no working nvidia-smi)", flush=True)
     plain_rate = opts.workers * 1000.0 / res["plain_step_ms"]
     res["ratios"] = {
         "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],

@@ -1,6 +1,9 @@
 """The benchmark script runs end to end with tiny budgets and its JSON holds consistent numbers."""
+import importlib.util
 import json
+import os
 import re
+import stat
 
 import pytest
 
@@ -17,6 +20,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
         assert res[key] > 0, key
     tr, r = res["training"], res["ratios"]
     assert tr["steps"] > 0 and set(tr["rss_mib_start"]) == {"monitor", "worker 0"}
+    assert tr["gpu"] is None  # CPU run: no GPU readings
     assert abs(r["training_over_env"] - tr["steps_per_s"] / res["env_steps_per_s"]) < 1e-9
     assert abs(r["training_over_plain_training"] - tr["steps_per_s"] / res["plain_training_steps_per_s"]) < 1e-9
     assert abs(r["plain_over_ours_step_cost"] - res["plain_step_ms"] / res["ours"]["total_ms"]) < 1e-9
@@ -30,3 +34,48 @@ def test_compile_benchmark_runs_and_the_compiled_forward_matches(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     diff = float(re.search(r"max \|logit difference\| (\S+)", proc.stdout).group(1))
     assert diff < 1e-5 and "eager/compiled" in proc.stdout
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "benchmarks" / "benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FAKE_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*) printf '0, 87, 20480\\n1, 3, 500\\n' ;;
+  --query-compute-apps=*) printf '111, 1200\\n222, 1300\\n999, 4000\\n' ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def test_gpu_readings_come_from_nvidia_smi_and_name_our_processes(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    roles = {111: "worker 0", 222: "monitor"}
+    first = bench.gpu_sample(roles)
+    assert first == {"gpus": {0: {"util_pct": 87.0, "memory_mib": 20480.0}, 1: {"util_pct": 3.0, "memory_mib": 500.0}},
+                     "process_memory_mib": {"worker 0": 1200.0, "monitor": 1300.0}}  # pid 999 is not ours
+    second = bench.parse_gpu_sample("0, 91, 20000\n1, 5, 700", "111, 1500", roles)
+    summary = bench.summarize_gpu_samples([first, second])
+    assert summary["samples"] == 2
+    assert summary["gpus"][0] == {"util_pct_mean": 89.0, "memory_mib_max": 20480.0}
+    assert summary["gpus"][1] == {"util_pct_mean": 4.0, "memory_mib_max": 700.0}
+    assert summary["process_memory_mib_max"] == {"monitor": 1300.0, "worker 0": 1500.0}
+    assert bench.summarize_gpu_samples([]) is None
+
+
+def test_no_gpu_readings_without_a_working_nvidia_smi(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all
+    assert bench.gpu_sample({}) is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    assert bench.gpu_sample({}) is None  # a driver that does not answer
