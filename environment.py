@@ -316,6 +316,8 @@ def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_l
         "repeat_action_probability": spec.repeat_action_probability,
         "noop_starts": NOOP_MAX if spec.frameskip_by_us else 0,
         "episodic_life": episodic_life,
+        "after_a_lost_life": "the learner's episode start: NOOP, FIRE and action 2 where the game has FIRE, "
+                             "a fresh LSTM state",
         "time_limit_agent_steps": max_episode_length,
         "full_action_space": False,
     }

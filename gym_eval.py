@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"{args.env}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, max {s['max']:g}, "
                f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {proto['frameskip']}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
-               f"off, time limit {proto['time_limit_agent_steps']} agent steps)")
+               f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps)")
     log.info(summary)
     print(summary, flush=True)
     out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,

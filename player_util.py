@@ -169,22 +169,44 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
               should_stop=None, on_frame=None) -> tuple[float, int, bool]:
     """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
 
-    Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives, and False when
-    ``should_stop()`` became true mid-game. ``on_frame(env)`` is called after every step (recording: one
-    video frame per agent step).
+    A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
+    FIRE and action 2 where the game has FIRE, and a zeroed LSTM state; upstream's test and evaluation did the
+    same. Learners never press FIRE to relaunch the ball themselves, so without this a greedy policy stalls
+    Breakout after its first lost life until the time limit.
+
+    Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart
+    steps included, as the time limit counts them), and False when ``should_stop()`` became true mid-game.
+    ``on_frame(env)`` is called after every step (recording: one video frame per agent step).
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
+    ale = env.unwrapped.ale
+    restart = (0, 1, 2) if "FIRE" in env.unwrapped.get_action_meanings() else (0,)
+    lives = ale.lives()
     hx, cx = model.initial_state(1, device)
     score, length = 0.0, 0
+
+    def step(action: int):
+        nonlocal score, length
+        obs, reward, terminated, truncated, _ = env.step(action)
+        score += float(reward)
+        length += 1
+        if on_frame is not None:
+            on_frame(env)
+        return obs, terminated or truncated
+
     while True:
         if should_stop is not None and should_stop():
             return score, length, False
         x = torch.from_numpy(obs).to(device).unsqueeze(0)
         _, logits, (hx, cx) = model(x, (hx, cx))
-        obs, reward, terminated, truncated, _ = env.step(int(logits.argmax(1)))
-        score += float(reward)
-        length += 1
-        if on_frame is not None:
-            on_frame(env)
-        if terminated or truncated:
+        obs, over = step(int(logits.argmax(1)))
+        if over:
             return score, length, True
+        now = ale.lives()
+        if 0 < now < lives:  # a lost life, and the game goes on
+            for action in restart:
+                obs, over = step(action)
+                if over:
+                    return score, length, True
+            hx, cx = model.initial_state(1, device)
+        lives = now

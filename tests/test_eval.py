@@ -41,8 +41,8 @@ def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
     assert all(isinstance(x, float) for x in a["scores"]) and all(isinstance(x, int) for x in a["lengths"])
     assert a["min"] <= a["mean"] <= a["max"] and a["std"] >= 0
     assert a["protocol"]["repeat_action_probability"] == 0.0 and a["protocol"]["episodic_life"] is False
-    assert a["protocol"]["time_limit_agent_steps"] == 60
-    assert "3 games, mean" in r.stdout and "± " in r.stdout
+    assert a["protocol"]["time_limit_agent_steps"] == 60 and "FIRE" in a["protocol"]["after_a_lost_life"]
+    assert "3 games, mean" in r.stdout and "± " in r.stdout and "a lost life restarts as in training" in r.stdout
     log = (tmp_path / "logs/PongNoFrameskip-v4_mon_log").read_text()
     assert log.count("episode reward") == 3 and "3 games, mean" in log
     b, _ = evaluate(tmp_path, model_dir, "b", "--num-episodes", "3", "--seed", "5")

@@ -4,13 +4,15 @@ deterministic."""
 import argparse
 import multiprocessing as mp
 
+import gymnasium
 import pytest
 import torch
 
 from config import build_parser
 from environment import atari_env, load_env_config
 from model import A3Clstm
-from player_util import Agent, GradientHandoff, rollout_loss, stepwise_rollout_loss, sync_weights
+from player_util import (Agent, GradientHandoff, play_game, rollout_loss, stepwise_rollout_loss,
+                         sync_weights)
 from run_state import RunState
 from shared_optim import SharedAdam
 from train import run_worker
@@ -167,3 +169,69 @@ def test_max_grad_norm_clips_what_the_shared_optimizer_applies(tmp_path, max_nor
         assert max(opt.norms) <= max_norm + 1e-5
     else:
         assert max(opt.norms) > 0.5  # unclipped gradients of this model are larger
+
+
+class _Spy(torch.nn.Module):
+    """Records the LSTM state each forward receives."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.hx_norms = []
+
+    def initial_state(self, *a):
+        return self.model.initial_state(*a)
+
+    def forward(self, x, state):
+        self.hx_norms.append(float(state[0].abs().sum()))
+        return self.model(x, state)
+
+
+class _ActionLog(gymnasium.Wrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.actions, self.lives = [], []
+
+    def step(self, action):
+        self.actions.append(int(action))
+        out = self.env.step(action)
+        self.lives.append(self.env.unwrapped.ale.lives())
+        return out
+
+
+def _always_noop_model(n_actions, hidden=16):
+    """Greedy action 0 (NOOP, which never relaunches Breakout's ball) and an LSTM state that grows from zero."""
+    m = A3Clstm(1, n_actions, hidden)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+        m.lstm.bias_ih[2 * hidden: 3 * hidden] = 1.0  # g = tanh(1): the cell state, hence hx, becomes non-zero
+        m.actor_linear.bias[0] = 5.0
+    return m
+
+
+def test_a_lost_life_restarts_as_in_training_so_breakout_does_not_stall():
+    env = _ActionLog(atari_env("BreakoutNoFrameskip-v4", load_env_config("config.json", "BreakoutNoFrameskip-v4"),
+                               max_episode_length=5000, episodic_life=False))
+    spy = _Spy(_always_noop_model(env.action_space.n))
+    score, length, finished = play_game(spy, env, CPU, seed=0)
+    assert finished and env.unwrapped.ale.lives() == 0  # game over, not the time limit
+    assert length == len(env.actions) < 5000
+    restarts = [i for i in range(1, len(env.lives)) if 0 < env.lives[i] < env.lives[i - 1]]
+    assert len(restarts) == 4  # 5 lives: 4 restarts, then game over
+    for i in restarts:
+        assert env.actions[i + 1: i + 4] == [0, 1, 2]  # NOOP, FIRE, 2 after the life was lost
+    # the policy never presses FIRE itself: every 1 and 2 is a restart's
+    assert env.actions.count(1) == env.actions.count(2) == 4
+    # the LSTM state is fresh after each restart: zero at the game's start and at the 4 restarts, only there
+    assert spy.hx_norms[0] == 0 and sum(n == 0 for n in spy.hx_norms) == 5
+    assert all(spy.hx_norms[i] > 0 for i in (1, 2))
+
+
+def test_pong_games_have_no_restarts():
+    env = _ActionLog(atari_env("PongNoFrameskip-v4", load_env_config("config.json", "PongNoFrameskip-v4"),
+                               max_episode_length=300, episodic_life=False))
+    spy = _Spy(_always_noop_model(env.action_space.n))
+    _, length, finished = play_game(spy, env, CPU, seed=0)
+    assert finished and length == 300 - 2  # the time limit (the FIRE reset took 2 steps); no lives in Pong
+    assert set(env.actions) == {0} and sum(n == 0 for n in spy.hx_norms) == 1
