@@ -33,6 +33,7 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner per envi
 
 FRAME_SHAPE = (1, 80, 80)
 NOOP_MAX = 30
+FIRE_RESET_ACTIONS = (1, 2)  # FIRE, then action 2, after a reset in games that have FIRE (see ``FireReset``)
 MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines uses 2); kept for model compatibility
 
 _ID_RE = re.compile(r"^(?P<ale>ALE/)?(?P<game>[A-Za-z0-9]+?)(?P<variant>NoFrameskip|Deterministic)?-v(?P<version>\d+)$")
@@ -200,7 +201,7 @@ class FireReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     def reset(self, **kwargs):
         self.env.reset(**kwargs)
-        for action in (1, 2):
+        for action in FIRE_RESET_ACTIONS:
             obs, _, terminated, truncated, info = self.env.step(action)
             if terminated or truncated:
                 obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from environment import FIRE_RESET_ACTIONS
 from losses import A3CLoss, a3c_loss, bootstrap_value
 from model import A3Clstm, ActivationCache
 
@@ -180,7 +181,7 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     ale = env.unwrapped.ale
-    restart = (0, 1, 2) if "FIRE" in env.unwrapped.get_action_meanings() else (0,)
+    restart = (0, *FIRE_RESET_ACTIONS) if "FIRE" in env.unwrapped.get_action_meanings() else (0,)
     lives = ale.lives()
     hx, cx = model.initial_state(1, device)
     score, length = 0.0, 0
