@@ -135,27 +135,37 @@ class GradientHandoff:
 
     The shared parameters' ``.grad`` is per process. Upstream aliased it to the local grad tensor once and
     relied on ``zero_grad`` zeroing that tensor in place; since torch 2.0 ``zero_grad`` sets grads to None, so
-    the alias kept the first gradient forever (a3g.md section 7.1). Here each update *assigns* (CPU, no copy)
-    or *copies* (GPU -> preallocated host buffers) the current gradient, so the optimizer always sees this
-    update's gradient.
+    the alias kept the first gradient forever (a3g.md section 7.1). Here each update *assigns* the current
+    gradient when it already has the shared parameter's device and memory layout (no copy), and otherwise
+    *copies* it into a preallocated buffer with the shared parameter's layout: GPU gradients (pinned host
+    buffers), and the channels-last conv gradients of a CPU worker, whose shared weights are contiguous. The
+    optimizer always sees this update's gradient, laid out as its parameter (torch's fused Adam misreads a
+    gradient whose strides differ from its parameter's; see ``shared_optim.match_grad_layout``).
     """
 
     def __init__(self, local: torch.nn.Module, shared: torch.nn.Module):
         self.pairs = list(zip(local.parameters(), shared.parameters()))
-        self.buffers = None
-        if any(lp.device.type != "cpu" for lp, _ in self.pairs):
-            pin = torch.cuda.is_available()
-            self.buffers = [torch.empty(sp.shape, dtype=sp.dtype, pin_memory=pin) for _, sp in self.pairs]
+        pin = torch.cuda.is_available() and any(lp.device.type != "cpu" for lp, _ in self.pairs)
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.pairs)
+        self._pin = pin
+
+    def _buffer(self, i: int, sp: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers[i]
+        if buf is None:
+            buf = torch.empty_strided(sp.shape, sp.stride(), dtype=sp.dtype, device=sp.device,
+                                      pin_memory=self._pin and sp.device.type == "cpu")
+            self.buffers[i] = buf
+        return buf
 
     def __call__(self) -> None:
         for i, (lp, sp) in enumerate(self.pairs):
-            if lp.grad is None:
+            g = lp.grad
+            if g is None:
                 sp.grad = None
-            elif self.buffers is None:
-                sp.grad = lp.grad
+            elif g.device == sp.device and g.stride() == sp.stride():
+                sp.grad = g
             else:
-                self.buffers[i].copy_(lp.grad)
-                sp.grad = self.buffers[i]
+                sp.grad = self._buffer(i, sp).copy_(g)
 
 
 @torch.no_grad()

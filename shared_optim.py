@@ -14,6 +14,32 @@ from typing import Iterable
 import torch
 
 
+def match_grad_layout(params) -> int:
+    """Give every gradient its parameter's memory layout; returns how many had to be copied.
+
+    torch's fused CPU Adam (2.13) reads a gradient's storage as if it had its parameter's strides: a channels-last
+    gradient of a contiguous conv weight is applied as a fixed permutation of itself. Workers keep their model
+    channels-last and the shared model is contiguous, so without this every conv2-conv4 update was wrong. The
+    hand-off already delivers matching layouts (``GradientHandoff``); this guard makes the optimizers correct for
+    any caller, at the cost of a stride comparison per parameter.
+    """
+    copied = 0
+    for p in params:
+        g = p.grad
+        if g is not None and g.stride() != p.stride():
+            p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+            copied += 1
+    return copied
+
+
+class _LayoutSafeStep:
+    """``step()`` first gives every gradient its parameter's layout (``match_grad_layout``)."""
+
+    def step(self, closure=None):
+        match_grad_layout(p for g in self.param_groups for p in g["params"])
+        return super().step(closure)
+
+
 class _SharedStateMixin:
     """Create every state tensor up front and put it in shared memory; load checkpoints in place."""
 
@@ -65,7 +91,7 @@ class _SharedStateMixin:
         return [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
 
 
-class SharedAdam(_SharedStateMixin, torch.optim.Adam):
+class SharedAdam(_LayoutSafeStep, _SharedStateMixin, torch.optim.Adam):
     """Adam (optionally AMSGrad) with shared ``step``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq``."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-4, betas=(0.9, 0.999),
@@ -83,7 +109,7 @@ class SharedAdam(_SharedStateMixin, torch.optim.Adam):
         return state
 
 
-class SharedRMSprop(_SharedStateMixin, torch.optim.RMSprop):
+class SharedRMSprop(_LayoutSafeStep, _SharedStateMixin, torch.optim.RMSprop):
     """RMSprop with shared ``step`` and ``square_avg`` (and ``momentum_buffer`` / ``grad_avg`` when used)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 7e-4, alpha: float = 0.99,
@@ -103,6 +129,14 @@ class SharedRMSprop(_SharedStateMixin, torch.optim.RMSprop):
         return state
 
 
+class Adam(_LayoutSafeStep, torch.optim.Adam):
+    """``torch.optim.Adam`` (fused) whose step first gives every gradient its parameter's layout."""
+
+
+class RMSprop(_LayoutSafeStep, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` (foreach) whose step first gives every gradient its parameter's layout."""
+
+
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, amsgrad: bool = False,
                    shared: bool = True) -> torch.optim.Optimizer:
     """``SharedAdam``/``SharedRMSprop`` when ``shared``, else a private ``torch.optim`` one with the same settings
@@ -110,9 +144,9 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, a
     if name == "Adam":
         if shared:
             return SharedAdam(params, lr=lr, amsgrad=amsgrad)
-        return torch.optim.Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad, fused=True)
+        return Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad, fused=True)
     if name == "RMSprop":
         if shared:
             return SharedRMSprop(params, lr=lr)
-        return torch.optim.RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=True)
+        return RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=True)
     raise ValueError(f"unknown optimizer '{name}' (use Adam or RMSprop)")

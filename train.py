@@ -9,11 +9,31 @@ import torch
 
 from config import rollout_length
 from environment import atari_env, load_env_config, normalizer
+from losses import A3CLoss
 from model import A3Clstm
-from player_util import Agent, GradientHandoff, rollout_loss, sync_weights
+from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
 from run_state import RunState
 from shared_optim import make_optimizer
 from utils import setup_child_process, use_device, worker_device
+
+
+def update(model: A3Clstm, rollout: Rollout, handoff: GradientHandoff, optimizer: torch.optim.Optimizer,
+           args: Namespace) -> tuple[A3CLoss, float]:
+    """One A3C update from ``rollout``, exactly as every worker makes it: replay the rollout through the local
+    ``model`` (which acted it), backward, clip to ``--max-grad-norm`` when set, hand the gradients to the shared
+    model and step ``optimizer`` on it. Returns the loss terms and the gradient's L2 norm before clipping."""
+    loss = rollout_loss(model, rollout, gamma=args.gamma, tau=args.tau, entropy_coef=args.entropy_coef,
+                        value_coef=args.value_coef)
+    params = [p for p, _ in handoff.pairs]
+    model.zero_grad(set_to_none=True)
+    loss.total.backward()
+    if args.max_grad_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    handoff()
+    optimizer.step()
+    return loss, grad_norm
 
 
 def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
@@ -37,7 +57,6 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     agent = Agent(model, env, device, seed=args.seed + rank)
     handoff = GradientHandoff(model, shared_model)
     num_steps = rollout_length(args, rank)
-    params = list(model.parameters())
     updates = 0
     while not run.stop.is_set():
         if args.max_steps and run.global_steps.value >= args.max_steps:
@@ -46,16 +65,7 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
             break
         sync_weights(model, shared_model)
         rollout = agent.rollout(num_steps)
-        loss = rollout_loss(model, rollout, gamma=args.gamma, tau=args.tau, entropy_coef=args.entropy_coef,
-                            value_coef=args.value_coef)
-        model.zero_grad(set_to_none=True)
-        loss.total.backward()
-        if args.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-        handoff()
-        optimizer.step()
+        loss, grad_norm = update(model, rollout, handoff, optimizer, args)
         updates += 1
         steps = rollout.actions.shape[0]
         with run.global_steps.get_lock():

@@ -99,7 +99,7 @@ def test_resuming_plain_adam_statistics_with_amsgrad_on_steps():
 
 def test_make_optimizer_private():
     opt = make_optimizer("RMSprop", make_params(), 1e-3, shared=False)
-    assert type(opt) is torch.optim.RMSprop and opt.defaults["eps"] == 0.1
+    assert isinstance(opt, torch.optim.RMSprop) and not isinstance(opt, SharedRMSprop) and opt.defaults["eps"] == 0.1
     with pytest.raises(ValueError):
         make_optimizer("SGD", make_params(), 1e-3)
 
@@ -125,3 +125,25 @@ def test_state_is_shared_across_processes():
     assert state["step"].item() == 3  # the child's steps are visible here
     assert state["exp_avg"].abs().sum() > 0
     assert params[0].abs().sum() > 0  # and so are its parameter updates
+
+
+@pytest.mark.parametrize("name,amsgrad", [("Adam", False), ("Adam", True), ("RMSprop", False)])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_a_channels_last_gradient_is_applied_in_its_parameters_layout(name, amsgrad, shared):
+    """torch's fused CPU Adam reads a gradient's storage with its parameter's strides; every optimizer
+    ``make_optimizer`` builds must apply a channels-last gradient of a contiguous weight as the same values."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 32, 5, 5, generator=g)
+    ours, ref = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt = make_optimizer(name, [ours], 1e-2, amsgrad, shared=shared)
+    if name == "Adam":
+        ref_opt = torch.optim.Adam([ref], lr=1e-2, eps=1e-3, amsgrad=amsgrad, foreach=False)
+    else:
+        ref_opt = torch.optim.RMSprop([ref], lr=1e-2, alpha=0.99, eps=0.1, foreach=False)
+    for _ in range(3):
+        grad = torch.randn(32, 32, 5, 5, generator=g)
+        ours.grad = grad.contiguous(memory_format=torch.channels_last)
+        ref.grad = grad.clone()
+        opt.step()
+        ref_opt.step()
+        assert torch.allclose(ours, ref, atol=1e-6, rtol=0), (ours - ref).abs().max()
