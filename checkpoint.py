@@ -6,12 +6,21 @@ Two files per run in ``--save-model-dir``:
   ``global_steps``, ``best_score``, ``norm_stats``, ``elapsed_seconds``, ``config`` and ``format``/``version``.
 
 Both are written to a temporary file in the same folder and renamed over the old one, so a crash never leaves a
-half-written file. Every load uses ``torch.load(..., weights_only=True)``.
+half-written file in their place; a temporary file left by a process killed mid-write is removed by the next run
+(``remove_stale_temp_files``). A write that fails (a full disk) raises ``CheckpointWriteError`` with one line that
+says why and where, and leaves the previous file as it was. Every load uses ``torch.load(..., weights_only=True)``,
+and a file that is damaged or not ours raises ``ModelFileError`` with one line.
+
+One run at a time writes into a folder: ``RunLock`` holds an ``flock`` on ``<folder>/.lock`` for the run's life
+(the kernel releases it when the process dies, however it dies).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import pickle
+import re
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -29,6 +38,14 @@ class ModelFileError(ValueError):
     """A model file that cannot be used; the message names the file and what is wrong."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A model file or checkpoint that could not be written; the message names the file and the reason."""
+
+
+class RunLockedError(RuntimeError):
+    """Another run holds the folder's lock."""
+
+
 def model_path(folder: str | Path, env_id: str) -> Path:
     return Path(folder) / f"{safe_name(env_id)}.dat"
 
@@ -37,8 +54,35 @@ def checkpoint_path(folder: str | Path, env_id: str) -> Path:
     return Path(folder) / f"{safe_name(env_id)}.ckpt"
 
 
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (torch.save wraps a failed write in a RuntimeError), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error_message(path: Path, e: BaseException) -> str:
+    os_error = _os_error_in(e)
+    if os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"could not write {path}: the disk is full ({os.strerror(os_error.errno)}); free space or use another folder"
+    if os_error is not None:
+        return f"could not write {path}: {os_error.strerror or os_error}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"could not write {path}: {first[:200]}"
+
+
+TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")
+
+
 def atomic_save(obj, path: str | Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``."""
+    """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``.
+
+    On any failure the temporary file is removed, ``path`` is left as it was, and ``CheckpointWriteError`` says
+    why in one line."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -47,9 +91,70 @@ def atomic_save(obj, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:
+        raise CheckpointWriteError(write_error_message(path, e)) from e
     finally:
-        if tmp.exists():
+        try:
             tmp.unlink()
+        except OSError:
+            pass
+
+
+def remove_stale_temp_files(folder: str | Path) -> list[Path]:
+    """Remove the temporary files (``.<name>.tmp<pid>``) that a process killed while saving left in ``folder``,
+    those of processes that are no longer alive; return what was removed."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        m = TEMP_NAME.match(p.name)
+        if m is None or not p.is_file():
+            continue
+        pid = int(m.group("pid"))
+        if pid != os.getpid() and _pid_alive(pid):
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<folder>/.lock`` for one run's life; the file records the holder's pid."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / ".lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            self.fd = None
+            raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to stop, "
+                                 f"or pass --save-model-dir DIR with another folder") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def cpu_state_dict(model: torch.nn.Module) -> "OrderedDict[str, torch.Tensor]":
@@ -79,10 +184,48 @@ def is_checkpoint(obj: dict) -> bool:
 
 def state_dict_of(obj: dict, path: str | Path) -> dict:
     """The model state_dict inside a ``.dat`` (itself) or a ``.ckpt`` (its ``model``)."""
-    sd = obj["model"] if is_checkpoint(obj) else obj
-    if not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
+    if is_checkpoint(obj):
+        if "model" not in obj:
+            raise ModelFileError(f"checkpoint {path} has no model in it (the file is damaged)")
+        sd = obj["model"]
+    else:
+        sd = obj
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
         raise ModelFileError(f"model file {path} is not a state_dict of tensors")
     return sd
+
+
+def check_checkpoint(ckpt: dict, path: str | Path) -> None:
+    """Raise ``ModelFileError`` unless every field a resume reads has the type and shape it needs (the model
+    itself is checked by ``state_dict_of`` and ``check_state_dict``)."""
+    def bad(field: str, what: str):
+        raise ModelFileError(f"checkpoint {path} is damaged: '{field}' {what}")
+
+    steps = ckpt.get("global_steps", 0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        bad("global_steps", "is not a step count")
+    elapsed = ckpt.get("elapsed_seconds", 0.0)
+    if not isinstance(elapsed, (int, float)) or isinstance(elapsed, bool):
+        bad("elapsed_seconds", "is not a number")
+    norm = ckpt.get("norm_stats")
+    if norm is not None and not (torch.is_tensor(norm) and norm.dim() == 2 and norm.shape[1] == 3
+                                 and norm.shape[0] >= 2):
+        bad("norm_stats", "is not a (processes, 3) tensor")
+    monitor = ckpt.get("monitor")
+    if monitor is not None and not (torch.is_tensor(monitor) and tuple(monitor.shape) == (3,)):
+        bad("monitor", "is not a (3,) tensor")
+    recent = ckpt.get("recent_scores", [])
+    if not isinstance(recent, (list, tuple)) or not all(isinstance(x, (int, float)) for x in recent):
+        bad("recent_scores", "is not a list of scores")
+    opt = ckpt.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+                                and isinstance(opt.get("param_groups"), list)
+                                and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                        for g in opt["param_groups"])):
+        bad("optimizer", "is not an optimizer state_dict")
+    name = ckpt.get("optimizer_name")
+    if name is not None and not isinstance(name, str):
+        bad("optimizer_name", "is not a name")
 
 
 def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | Path, env_id: str) -> None:

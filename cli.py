@@ -4,8 +4,26 @@ from __future__ import annotations
 import argparse
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a ``BoolFlag`` as the switches it is (``--amsgrad, --no-amsgrad``), without a value placeholder."""
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, BoolFlag):
+            return ", ".join(action.option_strings)
+        return super()._format_action_invocation(action)
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        return super()._format_usage(usage, actions, groups, prefix).replace(" [BOOL]", "")
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (``prog: error: ... (see --help)``) and exit code 2."""
+    """argparse, but a usage error is one line (``prog: error: ... (see --help)``) and exit code 2; no
+    abbreviated flags (``--save`` is not ``--save-model-dir``), so a printed command means what it says."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -21,7 +39,8 @@ def str2bool(value: str) -> bool:
 
 
 class BoolFlag(argparse.Action):
-    """``--flag`` (true), ``--flag true|false`` (upstream habit, e.g. ``--amsgrad True``) and ``--no-flag``."""
+    """A switch: ``--flag`` (true) and ``--no-flag`` (false); ``--flag true|false`` is accepted too, as upstream's
+    scripts write it (``--amsgrad True``)."""
 
     def __init__(self, option_strings, dest, default=False, help=None, **kwargs):
         strings = list(option_strings)

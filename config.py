@@ -13,6 +13,7 @@ import torch
 
 from cli import BoolFlag, Parser
 from environment import EnvIdError, load_env_config, resolve_env_id
+from utils import safe_name
 
 DEFAULT_ENV = "PongNoFrameskip-v4"
 REPO = Path(__file__).resolve().parent
@@ -36,7 +37,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
                    help="frames per agent step for NoFrameskip ids (default: %(default)s)")
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
     p.add_argument("--seed", "-s", type=int, default=1, help="random seed; worker r uses seed + r (default: %(default)s)")
-    p.add_argument("--log-dir", log_dir_short, default="logs/", help="folder for logs and CSVs (default: %(default)s)")
+    p.add_argument("--log-dir", log_dir_short, default=None,
+                   help="folder for logs, CSVs and TensorBoard (default: logs/<env>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write <env>.dat only when a test game scores >= the best so far")
     p.add_argument("--optimizer", "-o", default="Adam", choices=["Adam", "RMSprop"],
                    help="shared optimizer (default: %(default)s)")
-    p.add_argument("--load-model-dir", "-lmd", default="trained_models/", help="where --load looks (default: %(default)s)")
-    p.add_argument("--save-model-dir", "-smd", default="trained_models/",
-                   help="where <env>.dat and <env>.ckpt are written (default: %(default)s)")
+    p.add_argument("--load-model-dir", "-lmd", default=None,
+                   help="where --load looks (default: --save-model-dir, i.e. resume this run; "
+                        "trained_models/ to start from a shipped model)")
+    p.add_argument("--save-model-dir", "-smd", default=None,
+                   help="where <env>.dat and <env>.ckpt are written (default: runs/<env>)")
     p.add_argument("--gpu-ids", "-gp", type=int, nargs="+", default=[-1],
                    help="GPUs for the workers, round-robin (A3G mode); -1 = CPU (default)")
     p.add_argument("--amsgrad", "-a", action=BoolFlag, default=False, help="AMSGrad variant of Adam")
@@ -95,6 +99,8 @@ def validate_common(args: argparse.Namespace) -> list[str]:
     """Problems with the env and model flags shared by training and evaluation."""
     errors = []
     args.env_config = resolve_env_config(args.env_config)
+    if args.log_dir is None:
+        args.log_dir = str(Path("logs") / safe_name(args.env))
     try:
         resolve_env_id(args.env)
     except EnvIdError as e:
@@ -139,6 +145,10 @@ def validate_dir(path: str, flag: str) -> list[str]:
 def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the training configuration, each as one line (empty when all is well)."""
     errors = validate_common(args)
+    if args.save_model_dir is None:
+        args.save_model_dir = str(Path("runs") / safe_name(args.env))
+    if args.load_model_dir is None:
+        args.load_model_dir = args.save_model_dir
     checks = [
         (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
         (0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma}"),

@@ -2,7 +2,7 @@
 
     python gym_eval.py --env PongNoFrameskip-v4 --num-episodes 100
     python gym_eval.py --env PongNoFrameskip-v0 --model-file PongNoFrameskip-v4 --workers 2 --json pong_sticky.json
-    python gym_eval.py --env BreakoutNoFrameskip-v4 --num-episodes 3 --record videos/
+    python gym_eval.py --env BreakoutNoFrameskip-v4 --num-episodes 3 --record runs/videos
 
 A game is a whole game over all lives. It is played greedily (argmax of the policy) and scored unclipped, with a
 time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--seed + i`` and starts from fresh
@@ -10,11 +10,16 @@ normalisation statistics, so a seed gives the same scores with any number of ``-
 
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
 mean ± std, min, max, median, and the protocol); a JSON summary (``--json``, by default
-``<log-dir>/<env>_eval.json``).
+``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``).
 
 Exit codes: 0 done; 2 bad input; 130 Ctrl-C.
 """
 from __future__ import annotations
+
+import lifeline
+
+if __name__ == "__mp_main__":  # an evaluation process: die with the main one (see lifeline.py)
+    lifeline.bind_to_parent()
 
 import argparse
 import json
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ctx = mp.get_context("spawn")
             queue = ctx.Queue()
+            lifeline.mark_children()
             for w in range(min(args.workers, n)):
                 p = ctx.Process(target=_worker, args=(args, state_dict, list(range(w, n, args.workers)), queue))
                 p.start()
@@ -288,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"summary written to {json_path}")
+    if args.record:
+        print(f"{len(out['videos'])} video(s) written to {Path(args.record).resolve()}")
     return 0
 
 

@@ -7,33 +7,48 @@ The main process validates the configuration, builds the shared model and optimi
 ``--max-seconds`` or ``--target-score``, on Ctrl-C or SIGTERM, or when a process dies; it writes the full
 checkpoint every ``--checkpoint-every-seconds`` and at the end.
 
-Exit codes: 0 a stop condition was reached; 1 a worker or the monitor failed (its error is printed);
-2 bad input (nothing started, nothing written); 130 Ctrl-C; 143 SIGTERM.
+By default a run writes its models to ``runs/<env>/`` and its logs to ``logs/<env>/``; the same command with
+``--load`` resumes it, and every stop prints that command. Two runs never write into the same folder at once (a
+lock), and a new run never overwrites a model it did not start from.
+
+Exit codes: 0 a stop condition was reached; 1 a worker or the monitor failed, or a checkpoint could not be written
+(the error is printed); 2 bad input (nothing started, nothing written); 130 Ctrl-C; 143 SIGTERM.
 """
 from __future__ import annotations
 
-import math
-import multiprocessing as mp
-import signal
-import sys
-import time
-from argparse import Namespace
-from pathlib import Path
+# Before any heavy import: a child spawned from this file binds itself to the main process here, and the main
+# process takes Ctrl-C / SIGTERM from this moment on (see lifeline.py).
+import lifeline
 
-import torch
+if __name__ == "__mp_main__":
+    lifeline.bind_to_parent()
+elif __name__ == "__main__":
+    STOP = lifeline.StopSignals().install()
 
-from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, ModelFileError, atomic_save, check_state_dict,
-                        checkpoint_path, cpu_state_dict, is_checkpoint, model_path, read_weights, state_dict_of)
-from config import build_parser, config_dict, validate
-from environment import num_actions
-from model import A3Clstm
-from run_state import UPDATE_FIELDS, RunState
-from shared_optim import make_optimizer
-from test import test
-from train import train
-from utils import safe_name, setup_logger
+import multiprocessing as mp  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from argparse import Namespace  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-JOIN_SECONDS = 8.0  # a stopped process gets this long to exit before it is terminated, then killed
+import torch  # noqa: E402
+
+from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointWriteError, ModelFileError,  # noqa: E402
+                        RunLock, RunLockedError, atomic_save, check_checkpoint, check_state_dict, checkpoint_path,
+                        cpu_state_dict, is_checkpoint, model_path, read_weights, remove_stale_temp_files,
+                        state_dict_of)
+from config import build_parser, config_dict, validate  # noqa: E402
+from environment import num_actions  # noqa: E402
+from model import A3Clstm  # noqa: E402
+from run_state import UPDATE_FIELDS, RunState  # noqa: E402
+from shared_optim import make_optimizer  # noqa: E402
+from test import test  # noqa: E402
+from train import train  # noqa: E402
+from utils import safe_name, setup_logger  # noqa: E402
+
+JOIN_SECONDS = 8.0  # stopped processes get this long to exit; then all are terminated, then killed (<= 10 s)
 
 
 def find_resume_file(args: Namespace) -> Path | None:
@@ -50,24 +65,34 @@ def fail(errors: list[str]) -> None:
     sys.exit(2)
 
 
-class Stopper:
-    """Turns SIGINT/SIGTERM into a stop request (the workers ignore both and follow ``run.stop``)."""
+BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
 
-    def __init__(self):
-        self.signal: int | None = None
 
-    def __call__(self, signum, frame):
-        if self.signal is None:
-            self.signal = signum
-        else:  # a second Ctrl-C: stop waiting politely
-            raise KeyboardInterrupt
-
-    def install(self):
-        signal.signal(signal.SIGINT, self)
-        signal.signal(signal.SIGTERM, self)
+def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
+    """The command that continues this run: its own flags without any ``--load``/``--load-model-dir`` (so it
+    resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with twice
+    that budget."""
+    reached = reason.startswith("reached --max-steps")
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, has_value = a.split("=", 1)[0], "=" in a
+        if name in ("--load", "-ld", "--no-load"):
+            i += 2 if not has_value and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS else 1
+            continue
+        if name in ("--load-model-dir", "-lmd") or (reached and name == "--max-steps"):
+            i += 1 if has_value else 2
+            continue
+        out.append(a)
+        i += 1
+    if reached:
+        out += ["--max-steps", str(2 * args.max_steps)]
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith("main.py") else "main.py"
+    return shlex.join(["python", script, *out, "--load"])
 
 
 def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed: float) -> Path:
+    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot."""
     path = checkpoint_path(args.save_model_dir, args.env)
     ckpt = {
         "format": CHECKPOINT_FORMAT,
@@ -87,32 +112,49 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunS
 
 def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed_offset: float = 0.0,
            monitor: bool = True) -> list[tuple[str, mp.Process]]:
-    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes."""
+    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes.
+
+    They start with SIGINT/SIGTERM blocked and bound to this process (``lifeline``); a stop signal that arrives
+    meanwhile stays pending here and is handled as soon as the block ends, after the last start.
+    """
     procs = []
-    if monitor:
-        p = ctx.Process(target=test, args=(args, shared_model, run, elapsed_offset), name="monitor")
-        p.start()
-        procs.append(("monitor", p))
-    for rank in range(args.workers):
-        p = ctx.Process(target=train, args=(rank, args, shared_model, optimizer, run), name=f"worker {rank}")
-        p.start()
-        procs.append((f"worker {rank}", p))
+    lifeline.mark_children()
+    with lifeline.blocked_stop_signals():
+        if monitor:
+            p = ctx.Process(target=test, args=(args, shared_model, run, elapsed_offset), name="monitor")
+            p.start()
+            procs.append(("monitor", p))
+        for rank in range(args.workers):
+            p = ctx.Process(target=train, args=(rank, args, shared_model, optimizer, run), name=f"worker {rank}")
+            p.start()
+            procs.append((f"worker {rank}", p))
     return procs
 
 
 def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS) -> None:
-    """Stop every process through ``run.stop``; terminate, then kill, whatever is still alive after ``wait``."""
+    """Stop every process through ``run.stop``. Those still starting up (not ``ready``: importing, building
+    their env) have nothing to finish and are terminated at once; the others get ``wait`` seconds to end their
+    update or game, then all that are still alive are terminated at once, and one second later killed: at most
+    ``wait`` + 2 seconds in all."""
     run.stop.set()
-    deadline = time.time() + wait
-    for _, p in procs:
-        p.join(max(0.0, deadline - time.time()))
-    for _, p in procs:
-        if p.is_alive():
+    slots = {f"worker {r}": r for r in range(run.workers)}
+    slots["monitor"] = run.monitor_slot
+    for role, p in procs:
+        if p.is_alive() and not run.ready[slots.get(role, 0)].item():
             p.terminate()
-            p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    for grace, action in ((wait, None), (1.0, "terminate"), (1.0, "kill")):
+        alive = [p for _, p in procs if p.is_alive()]
+        if not alive:
+            break
+        for p in alive:
+            if action is not None:
+                getattr(p, action)()
+        deadline = time.monotonic() + grace
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for _, p in procs:
+        if p.exitcode is not None:
+            p.close()
 
 
 def status_line(run: RunState, rate: float) -> str:
@@ -123,11 +165,24 @@ def status_line(run: RunState, rate: float) -> str:
     mean = stats[done].mean(0)
     f = dict(zip(UPDATE_FIELDS, mean.tolist()))
     return (f"steps {run.global_steps.value:,} ({rate:.0f} steps/s) | updates {int(stats[:, 0].sum()):,} | "
-            f"policy {f['policy_loss']:.3f} value {f['value_loss']:.3f} entropy {f['entropy']:.3f} "
+            f"per step: policy {f['policy_loss']:.4f} value {f['value_loss']:.4f} entropy {f['entropy']:.3f} | "
             f"grad-norm {f['grad_norm']:.2f}")
 
 
+def exited_unexpectedly(procs: list[tuple[str, mp.Process]], budget_reached: bool) -> tuple[str, int] | None:
+    """The first process that ended on its own, unless it was a worker that stopped at the step budget."""
+    for role, p in procs:
+        if p.is_alive():
+            continue
+        if p.exitcode == 0 and role.startswith("worker") and budget_reached:
+            continue
+        return role, p.exitcode
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop = globals().get("STOP") or lifeline.StopSignals().install()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     errors = validate(args)
     if errors:
@@ -138,12 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.load:
         resume_path = find_resume_file(args)
         if resume_path is None:
+            hint = (" (a shipped model is in trained_models/: --load-model-dir trained_models/)"
+                    if model_path("trained_models", args.env).is_file() else "")
             fail([f"--load: neither {checkpoint_path(args.load_model_dir, args.env)} nor "
-                  f"{model_path(args.load_model_dir, args.env)} exists (check --load-model-dir and --env)"])
+                  f"{model_path(args.load_model_dir, args.env)} exists, nothing to resume (check --save-model-dir, "
+                  f"--load-model-dir and --env){hint}"])
         try:
             obj = read_weights(resume_path)
             resume_sd = state_dict_of(obj, resume_path)
             check_state_dict(resume_sd, n_actions, args.hidden_size, resume_path, args.env)
+            if is_checkpoint(obj):
+                check_checkpoint(obj, resume_path)
         except ModelFileError as e:
             fail([str(e)])
         resume_ckpt = obj if is_checkpoint(obj) else None
@@ -152,13 +212,33 @@ def main(argv: list[str] | None = None) -> int:
         existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                     if p.exists()]
         if existing:
-            fail([f"{existing[0]} exists and this run would overwrite it: pass --load to continue training from it, "
-                  f"or --save-model-dir DIR to write elsewhere"])
+            fail([f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass --load "
+                  f"(it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
+                  f"--save-model-dir DIR with another folder"])
+    if stop.signal is not None:  # before anything is written
+        print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
+        return stop.exit_code
 
     Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        lock = RunLock(args.save_model_dir)
+    except RunLockedError as e:
+        fail([str(e)])
+    try:
+        return run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path)
+    finally:
+        lock.release()
+
+
+def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n_actions: int, resume_ckpt,
+                 resume_sd, resume_path) -> int:
+    """The run proper, with this run's lock on ``--save-model-dir`` held."""
+    stale = remove_stale_temp_files(args.save_model_dir)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     log = setup_logger(f"main.{safe_name(args.env)}", Path(args.log_dir) / f"{safe_name(args.env)}_train.log",
                        console=True)
+    for path in stale:
+        log.info(f"removed {path}, a partial write of a run that died while saving")
 
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
@@ -170,14 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = None
     if args.shared_optimizer:
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
-    run = RunState(ctx, args.workers, args.score_window)
+    run = RunState(args.workers, args.score_window)
     elapsed_offset = 0.0
     if resume_ckpt is not None:
         run.restore(resume_ckpt)
         elapsed_offset = float(resume_ckpt.get("elapsed_seconds", 0.0))
         opt_state = resume_ckpt.get("optimizer")
         if optimizer is not None and opt_state is not None and resume_ckpt.get("optimizer_name") == args.optimizer:
-            optimizer.load_state_dict(opt_state)
+            try:
+                optimizer.load_state_dict(opt_state)
+            except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+                log.info(f"main.py: error: {resume_path}: the optimizer state does not fit this model ({e})")
+                return 2
             log.info(f"resumed the {args.optimizer} statistics")
             saved = optimizer.saved_hyperparameters(opt_state)[0]
             changed = [f"{k} {saved[k]} -> {v}" for k, v in optimizer.param_groups[0].items()
@@ -196,31 +280,32 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
+    log.info(f"models: {args.save_model_dir} | logs: {args.log_dir}"
+             + (f" | tensorboard --logdir {Path(args.log_dir) / 'runs'}" if args.tensorboard_logger else ""))
 
-    # Children inherit "ignore SIGINT/SIGTERM" during their start-up; only this process reacts to Ctrl-C.
-    stopper = Stopper()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     procs: list[tuple[str, mp.Process]] = []
     code, reason = 0, ""
     tb = None
     start = time.time()
     try:
-        procs = launch(ctx, args, shared_model, optimizer, run, elapsed_offset)
-        stopper.install()
-        if args.tensorboard_logger:
+        if stop.signal is None:
+            procs = launch(ctx, args, shared_model, optimizer, run, elapsed_offset)
+        if args.tensorboard_logger and stop.signal is None:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
         last_ckpt = last_status = time.time()
         status_steps = run.global_steps.value
         while True:
-            run.stop.wait(0.2)
-            now = time.time()
-            if stopper.signal is not None:
-                code = 130 if stopper.signal == signal.SIGINT else 143
-                reason = "interrupted (Ctrl-C)" if code == 130 else "terminated (SIGTERM)"
+            if stop.signal is not None:
+                code, reason = stop.exit_code, stop.reason
                 break
-            if args.max_steps and run.global_steps.value >= args.max_steps:
+            # Which processes ended is read before the counters: a worker that exits at the step budget has
+            # counted its last steps before it exits, so the budget check below sees them.
+            ended = [(role, p) for role, p in procs if not p.is_alive()]
+            now = time.time()
+            steps = run.global_steps.value
+            budget_reached = bool(args.max_steps) and steps >= args.max_steps
+            if budget_reached:
                 reason = f"reached --max-steps {args.max_steps:,}"
                 break
             if args.max_seconds and now - start >= args.max_seconds:
@@ -229,16 +314,18 @@ def main(argv: list[str] | None = None) -> int:
             if run.target_reached.is_set():
                 reason = f"reached --target-score {args.target_score:g}"
                 break
-            dead = [(role, p) for role, p in procs if not p.is_alive()]
+            dead = exited_unexpectedly(ended, budget_reached)
             if dead:
-                role, p = dead[0]
-                code, reason = 1, f"{role} exited unexpectedly (exit code {p.exitcode})"
+                code, reason = 1, f"{dead[0]} exited unexpectedly (exit code {dead[1]})"
                 break
             if now - last_ckpt >= args.checkpoint_every_seconds:
-                save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start)
+                try:
+                    save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start)
+                except CheckpointWriteError as e:
+                    code, reason = 1, str(e)
+                    break
                 last_ckpt = now
             if now - last_status >= args.status_every_seconds:
-                steps = run.global_steps.value
                 rate = (steps - status_steps) / (now - last_status)
                 log.info(status_line(run, rate))
                 if tb is not None:
@@ -249,26 +336,34 @@ def main(argv: list[str] | None = None) -> int:
                     tb.add_scalar("charts/train_steps_per_s", rate, steps)
                     tb.flush()
                 last_status, status_steps = now, steps
+            time.sleep(0.2)
     except KeyboardInterrupt:
         code, reason = 130, "interrupted (Ctrl-C)"
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown below is bounded; let it finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown(procs, run)
-        while True:
-            try:
-                role, tb_text = run.errors.get(timeout=0.1)
-            except Exception:
-                break
+        for role, text in run.errors.read_all():
             code = 1
-            log.info(f"{role} failed:\n{tb_text.rstrip()}")
+            log.info(f"{role} failed:\n{text.rstrip()}")
         elapsed = time.time() - start
-        ckpt = save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + elapsed)
-        if not args.save_max:
-            atomic_save(cpu_state_dict(shared_model), model_path(args.save_model_dir, args.env))
+        ckpt_note = "nothing written (no process was started)"
+        try:
+            if procs:
+                ckpt = save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + elapsed)
+                if not args.save_max:
+                    atomic_save(cpu_state_dict(shared_model), model_path(args.save_model_dir, args.env))
+                ckpt_note = f"checkpoint {ckpt}"
+        except CheckpointWriteError as e:
+            code = 1
+            if str(e) != reason:
+                log.info(f"main.py: error: {e}")
+            ckpt_note = "the final checkpoint could not be written; the last complete one is kept"
         rate = (run.global_steps.value - (resume_ckpt or {}).get("global_steps", 0)) / max(elapsed, 1e-9)
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
-                 f"{elapsed:.0f} s; checkpoint {ckpt}")
+                 f"{elapsed:.0f} s; {ckpt_note}")
+        if checkpoint_path(args.save_model_dir, args.env).is_file():
+            log.info(f"resume with: {resume_command(argv, args, reason)}")
         if tb is not None:
             tb.close()
         signal.signal(signal.SIGINT, signal.SIG_DFL)

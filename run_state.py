@@ -1,44 +1,179 @@
 """What the processes of one run share: counters, flags, statistics, the error channel.
 
 Everything here is created by the main process before the workers start and handed to them at spawn time.
+
+Nothing here has a lock or a waiter list. A ``multiprocessing`` Event, Lock, Value or Queue can wedge a whole run
+when a process dies while holding or waiting on it (a killed monitor left ``Event.set`` in the main process
+waiting forever for it to wake; a worker with a long error text blocked on exit flushing its Queue). So each
+piece of state is a shared-memory tensor that one process writes and the others read: per-process slots for
+counters and statistics, single flags that are only ever set, and a fixed-size text slot per process for errors.
+A process killed at any moment leaves at most a stale value, never a held lock.
 """
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
+import queue
+import time
 
 import torch
 
 UPDATE_FIELDS = ("updates", "steps", "policy_loss", "value_loss", "entropy", "grad_norm")
 EMA = 0.99  # smoothing of the per-worker loss statistics shown in logs and TensorBoard
+ERROR_BYTES = 64 * 1024  # per process; a longer report keeps its head and its tail (``ErrorBoard.report``)
+POLL_SECONDS = 0.02
+
+
+class Flag:
+    """A boolean in shared memory: ``set``, ``clear``, ``is_set`` and a polling ``wait``, like an Event, without
+    the Event's lock and condition variable."""
+
+    def __init__(self):
+        self._value = torch.zeros(1, dtype=torch.int32).share_memory_()
+
+    def set(self) -> None:
+        self._value[0] = 1
+
+    def clear(self) -> None:
+        self._value[0] = 0
+
+    def is_set(self) -> bool:
+        return bool(self._value[0].item())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Return True as soon as the flag is set, False after ``timeout`` seconds (polling, never blocking)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                time.sleep(min(POLL_SECONDS, left))
+            else:
+                time.sleep(POLL_SECONDS)
+        return True
+
+
+class StepCounter:
+    """Global agent steps: one slot per worker (each written only by its worker) plus a base (resumed runs).
+
+    ``value`` is the sum, read without a lock; ``add(rank, n)`` touches only the caller's slot.
+    """
+
+    def __init__(self, workers: int):
+        self._slots = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
+        self._base = workers
+
+    @property
+    def value(self) -> int:
+        return int(self._slots.sum().item())
+
+    @value.setter
+    def value(self, steps: int) -> None:  # restore, before any worker starts
+        self._slots.zero_()
+        self._slots[self._base] = int(steps)
+
+    def add(self, rank: int, steps: int) -> None:
+        self._slots[rank] += steps
+
+
+class ErrorBoard:
+    """One fixed-size text slot per process for its failure report (role and traceback).
+
+    Writing never blocks: the text goes into shared memory, its length last, so a reader never sees half a
+    report. A report longer than the slot keeps its first and last lines around a note of what was cut (the
+    last lines of a traceback say what went wrong). ``get`` and ``read_all`` return the filled slots.
+    """
+
+    def __init__(self, processes: int, size: int = ERROR_BYTES):
+        self._text = torch.zeros(processes, size, dtype=torch.uint8).share_memory_()
+        self._lengths = torch.zeros(processes, dtype=torch.int64).share_memory_()
+        self._seen = set()  # per process: slots already returned by ``get``
+
+    def report(self, slot: int, role: str, text: str) -> None:
+        data = fit_text(f"{role}\n{text}", self._text.shape[1]).encode("utf-8", "replace")[: self._text.shape[1]]
+        self._text[slot, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._lengths[slot] = len(data)
+
+    def _read(self, slot: int) -> tuple[str, str]:
+        n = int(self._lengths[slot].item())
+        raw = bytes(self._text[slot, :n].numpy()).decode("utf-8", "replace")
+        role, _, text = raw.partition("\n")
+        return role, text
+
+    def read_all(self) -> list[tuple[str, str]]:
+        """Every ``(role, text)`` reported so far, in slot order."""
+        return [self._read(s) for s in range(self._lengths.numel()) if self._lengths[s].item() > 0]
+
+    def get(self, timeout: float | None = None) -> tuple[str, str]:
+        """The next report this process has not yet taken; ``queue.Empty`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for s in range(self._lengths.numel()):
+                if s not in self._seen and self._lengths[s].item() > 0:
+                    self._seen.add(s)
+                    return self._read(s)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty
+            time.sleep(POLL_SECONDS)
+
+    def __getstate__(self):
+        return {"_text": self._text, "_lengths": self._lengths}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _seen=set())
+
+
+def fit_text(text: str, size: int) -> str:
+    """``text`` if it fits in ``size`` bytes of UTF-8, else its head and tail around ``[... N characters cut ...]``."""
+    if len(text.encode("utf-8", "replace")) <= size:
+        return text
+    keep = size // 4  # characters are at most 4 bytes
+    head, tail = keep // 4, keep - keep // 4 - 64
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut:,} characters cut ...]\n{text[-tail:]}"
 
 
 class RunState:
-    """Shared state of a run.
+    """Shared state of a run (see the module docstring for why nothing here can be left locked).
 
-    - ``global_steps``: agent steps over all workers (and over resumed runs).
-    - ``stop``: set by the main process (stop condition, Ctrl-C, a dead worker); every process checks it.
+    - ``global_steps``: agent steps over all workers (and over resumed runs); ``.value`` reads it,
+      ``add_steps(rank, n)`` counts a worker's steps.
+    - ``stop``: set by the main process (stop condition, Ctrl-C, a dead process); every process checks it.
     - ``target_reached``: set by the monitor when the mean of its last ``score_window`` games reaches the target.
     - ``norm_stats (workers + 1, 3)``: each process's frame-normalisation (mean, std, count); row ``workers`` is
       the monitor's. Saved in checkpoints.
-    - ``update_stats (workers, 6)``: per worker updates, steps and smoothed losses (``UPDATE_FIELDS``).
+    - ``update_stats (workers, 6)``: per worker updates, steps and smoothed per-step losses (``UPDATE_FIELDS``).
     - ``monitor (3,)``: games played, sum of their scores, best score; ``recent (score_window,)`` last scores.
-    - ``errors``: (role, traceback) from a process that failed.
+    - ``errors``: ``ErrorBoard`` with a slot per process (worker r: slot r; the monitor: slot ``workers``).
+    - ``ready (workers + 1,)``: set by each process (same slots) when its loop starts; a process still starting up
+      has nothing to finish and is stopped at once (``main.shutdown``).
     """
 
-    def __init__(self, ctx: mp.context.BaseContext, workers: int, score_window: int = 10):
+    def __init__(self, workers: int, score_window: int = 10):
         self.workers = workers
-        self.global_steps = ctx.Value("q", 0)
-        self.stop = ctx.Event()
-        self.target_reached = ctx.Event()
+        self.global_steps = StepCounter(workers)
+        self.stop = Flag()
+        self.target_reached = Flag()
         self.norm_stats = torch.zeros(workers + 1, 3, dtype=torch.float64).share_memory_()
         self.update_stats = torch.zeros(workers, len(UPDATE_FIELDS), dtype=torch.float64).share_memory_()
         self.monitor = torch.tensor([0.0, 0.0, -math.inf], dtype=torch.float64).share_memory_()
         self.recent = torch.full((score_window,), math.nan, dtype=torch.float64).share_memory_()
-        self.errors = ctx.Queue()
+        self.errors = ErrorBoard(workers + 1)
+        self.ready = torch.zeros(workers + 1, dtype=torch.int32).share_memory_()
+
+    @property
+    def monitor_slot(self) -> int:
+        return self.workers
+
+    def mark_ready(self, slot: int) -> None:
+        self.ready[slot] = 1
+
+    def add_steps(self, rank: int, steps: int) -> None:
+        self.global_steps.add(rank, steps)
 
     def record_update(self, rank: int, steps: int, policy: float, value: float, entropy: float,
                       grad_norm: float) -> None:
+        """Count an update of ``steps`` agent steps; ``policy``, ``value`` and ``entropy`` are per step."""
         row = self.update_stats[rank]
         first = row[0].item() == 0
         row[0] += 1

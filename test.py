@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import math
 import time
-import traceback
 from argparse import Namespace
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from environment import atari_env, load_env_config, normalizer
 from model import A3Clstm
 from player_util import play_game, sync_weights
 from run_state import RunState
-from utils import format_duration, safe_name, setup_child_process, setup_logger, use_device, worker_device
+from utils import (describe_failure, format_duration, safe_name, setup_child_process, setup_logger, use_device,
+                   worker_device)
 
 CSV_FIELDS = ["wall_time", "elapsed_s", "global_steps", "score", "length", "steps_per_s", "reward_mean",
               "window_mean"]
@@ -72,6 +72,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     best_saved = 0.0 if run.monitor[2].item() == -math.inf else max(0.0, run.monitor[2].item())
     last_t, last_steps = start, run.global_steps.value
     seed = args.seed + run.workers
+    run.mark_ready(run.monitor_slot)
     try:
         while not run.stop.is_set():
             steps_at_start = run.global_steps.value
@@ -116,7 +117,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 by_time = args.test_every_seconds > 0 and time.time() - t0 >= args.test_every_seconds
                 if by_steps or by_time or (args.test_every_steps == 0 and args.test_every_seconds == 0):
                     break
-                run.stop.wait(0.2)
+                time.sleep(0.2)
     finally:
         f.close()
         if tb is not None:
@@ -130,7 +131,7 @@ def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: 
     try:
         use_device(device)
         run_monitor(args, shared_model, run, device, elapsed_offset)
-    except BaseException as e:
+    except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            run.errors.put(("monitor", "".join(traceback.format_exception(e))))
+            run.errors.report(run.monitor_slot, "monitor", describe_failure(e))
         raise SystemExit(1)

@@ -2,7 +2,6 @@
 shared optimizer; repeat until told to stop (a3g.md section 6, with upstream's defects fixed)."""
 from __future__ import annotations
 
-import traceback
 from argparse import Namespace
 
 import torch
@@ -14,7 +13,7 @@ from model import A3Clstm
 from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
 from run_state import RunState
 from shared_optim import make_optimizer
-from utils import setup_child_process, use_device, worker_device
+from utils import describe_failure, setup_child_process, use_device, worker_device
 
 
 def update(model: A3Clstm, rollout: Rollout, handoff: GradientHandoff, optimizer: torch.optim.Optimizer,
@@ -58,6 +57,7 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     handoff = GradientHandoff(model, shared_model)
     num_steps = rollout_length(args, rank)
     updates = 0
+    run.mark_ready(rank)
     while not run.stop.is_set():
         if args.max_steps and run.global_steps.value >= args.max_steps:
             break
@@ -68,9 +68,9 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
         loss, grad_norm = update(model, rollout, handoff, optimizer, args)
         updates += 1
         steps = rollout.actions.shape[0]
-        with run.global_steps.get_lock():
-            run.global_steps.value += steps
-        run.record_update(rank, steps, loss.policy.item(), loss.value.item(), loss.entropy.item() / steps, grad_norm)
+        run.add_steps(rank, steps)
+        run.record_update(rank, steps, loss.policy.item() / steps, loss.value.item() / steps,
+                          loss.entropy.item() / steps, grad_norm)
         m, s, n = normalizer(env).get_stats()
         run.norm_stats[rank] = torch.tensor([m, s, float(n)], dtype=torch.float64)
     return updates
@@ -84,7 +84,7 @@ def train(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.op
     try:
         use_device(device)
         run_worker(rank, args, shared_model, optimizer, run, device)
-    except BaseException as e:  # report, then exit non-zero: the main process stops the run
+    except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            run.errors.put((f"worker {rank}", "".join(traceback.format_exception(e))))
+            run.errors.report(rank, f"worker {rank}", describe_failure(e))
         raise SystemExit(1)

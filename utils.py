@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -65,25 +66,34 @@ def keep_freed_memory() -> bool:
 def setup_child_process(role: str, num_threads: int = 1) -> None:
     """Process hygiene for a worker or the monitor.
 
-    Names the process (``ps``/``top``), lets only the main process react to Ctrl-C (it stops everyone through an
-    event), asks the kernel to kill this process if the main process dies, sets the thread count once, and
-    keeps freed memory for reuse (``keep_freed_memory``).
+    Binds the process to the main process (``lifeline.bind_to_parent``: killed when main dies, SIGINT ignored so
+    that only the main process reacts to Ctrl-C and stops everyone through the run's stop flag), names it
+    (``ps``/``top``), sets the thread count once, and keeps freed memory for reuse (``keep_freed_memory``).
+    A process that main did not start (a benchmark's, a test's) still dies with its parent and ignores SIGINT.
     """
+    import lifeline
+    if os.environ.get(lifeline.PARENT_ENV):
+        lifeline.bind_to_parent()
+    else:
+        lifeline._set_parent_death_signal(signal.SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     keep_freed_memory()
     try:
         import setproctitle
         setproctitle.setproctitle(f"a3g {role}")
     except ImportError:  # pragma: no cover - setproctitle is in requirements.txt
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # pragma: no cover
-            pass
     torch.set_num_threads(num_threads)
+
+
+def describe_failure(e: BaseException) -> str:
+    """What a failed process reports: one line for a file that could not be written (a full disk), else the
+    traceback."""
+    from checkpoint import CheckpointWriteError
+    if isinstance(e, CheckpointWriteError):
+        return str(e)
+    return "".join(traceback.format_exception(e))
 
 
 def worker_device(gpu_ids: list[int], rank: int) -> torch.device:

@@ -1,0 +1,96 @@
+"""Tie child processes to the main process's life, and take stop signals from the first instant.
+
+Imported before anything heavy (it needs only the standard library), because the moments it guards are the
+first ones: a spawned child spends seconds importing torch before it could run any code of ours, and a main
+process spends as long before it reaches ``main()``.
+
+- ``bind_to_parent()``, in a child: ask the kernel to SIGKILL this process when its parent dies
+  (``PR_SET_PDEATHSIG``), then check that the parent is still the main process that started it: if that one
+  died before the request, the child has already been re-parented and must exit at once. ``main.py`` calls it
+  when it is imported into a spawned child, before its own imports; ``setup_child_process`` calls it again.
+- Children start with SIGINT and SIGTERM *blocked* (the main process blocks them while it starts children,
+  and a blocked mask survives exec): a Ctrl-C at the terminal during their start-up stays pending.
+  ``bind_to_parent`` then sets SIGINT to ignored (which discards a pending one: only the main process decides
+  to stop, and tells the children through the run's stop flag), SIGTERM to its default, and unblocks both.
+- ``StopSignals``, in the main process: records SIGINT/SIGTERM from the moment it is installed, so a signal
+  during imports, validation or start-up is never lost.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_ENV = "A3G_MAIN_PID"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return False
+
+
+def bind_to_parent() -> None:
+    """In a child started by ``main.py`` (``A3G_MAIN_PID`` in its environment): die with the main process,
+    and leave stopping to it (see the module docstring). Does nothing in a process that main did not start."""
+    expected = os.environ.get(PARENT_ENV)
+    if not expected:
+        return
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != int(expected):  # the main process died before the request above: we are an orphan
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def mark_children() -> None:
+    """In the main process, before starting children: they will bind to this process."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+
+
+class blocked_stop_signals:
+    """``with blocked_stop_signals():`` SIGINT and SIGTERM stay pending in this process and in every child
+    started inside the block, until the block ends here and ``bind_to_parent`` runs there."""
+
+    def __enter__(self):
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        return self
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+        return False
+
+
+class StopSignals:
+    """SIGINT/SIGTERM as a stop request: the first one is recorded (``signal``), a second one raises
+    ``KeyboardInterrupt`` (stop waiting politely). ``exit_code`` is 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame):
+        if self.signal is None:
+            self.signal = signum
+        else:
+            raise KeyboardInterrupt
+
+    def install(self) -> "StopSignals":
+        for s in STOP_SIGNALS:
+            signal.signal(s, self)
+        return self
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signal) if self.signal is not None else 0
+
+    @property
+    def reason(self) -> str:
+        return "interrupted (Ctrl-C)" if self.signal == signal.SIGINT else "terminated (SIGTERM)"
