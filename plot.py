@@ -1,14 +1,15 @@
 """Learning curves from the monitor's CSV: score against global steps and against wall time, with a rolling mean.
 
-    python plot.py logs/ --out curves.png
-    python plot.py runs/a/logs runs/b/logs/PongNoFrameskip-v4_monitor.csv --out compare.svg --window 20
+    python plot.py logs/PongNoFrameskip-v4
+    python plot.py logs/ --out runs/all.png
+    python plot.py runs/a/logs runs/b/logs/PongNoFrameskip-v4_monitor.csv --out runs/compare.svg --window 20
 
-Each argument is a ``*_monitor.csv`` file or a folder holding them (one line per run). The format follows the
-extension of ``--out``: PNG by default, SVG or PDF too.
+Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth (one line per run). A curve is
+named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its format follows
+the extension: PNG, SVG or PDF.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
@@ -21,9 +22,9 @@ def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found = sorted(p.glob("*_monitor.csv"))
+            found = sorted(p.rglob("*_monitor.csv"))
             if not found:
-                errors.append(f"no *_monitor.csv in folder '{item}'")
+                errors.append(f"no *_monitor.csv in folder '{item}' or below it")
             paths += found
         elif p.is_file():
             paths.append(p)
@@ -54,17 +55,20 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 
 
 def label_for(path: Path) -> tuple[str, str]:
-    """(env id, run name) from ``<run>/logs/<env>_monitor.csv``."""
+    """(env id, run name): the run is the CSV's folder (``logs/<run>/<env>_monitor.csv``), or the folder above
+    a ``logs`` folder (``runs/<run>/logs/<env>_monitor.csv``), by its real name (never ``.``)."""
     env = path.name[: -len("_monitor.csv")] if path.name.endswith("_monitor.csv") else path.stem
-    run = path.parent.parent.name if path.parent.name == "logs" else path.parent.name
-    return env, run or "."
+    folder = path.resolve().parent
+    run = folder.parent.name if folder.name == "logs" else folder.name
+    return env, run or env
 
 
 def main(argv: list[str] | None = None) -> int:
     from cli import Parser
     p = Parser(prog=PROG, description="Plot monitor learning curves.")
     p.add_argument("inputs", nargs="+", help="monitor CSV files or folders that hold them")
-    p.add_argument("--out", default="curves.png", help="output image: .png, .svg or .pdf (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="output image: .png, .svg or .pdf (default: runs/<env>_curves.png)")
     p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")
     p.add_argument("--title", default=None, help="figure title (default: env and run names)")
     p.add_argument("--labels", nargs="+", default=None,
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.labels is not None and len(args.labels) != len(paths):
         errors.append(f"--labels names {len(args.labels)} curves but the inputs hold {len(paths)}: give one "
                       f"label per monitor CSV")
-    if Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
+    if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
@@ -114,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     for ax in (ax_steps, ax_time):
         ax.grid(alpha=0.3)
     ax_steps.legend(loc="best", fontsize=8)
-    title = args.title or f"{', '.join(sorted(envs))}: {', '.join(dict.fromkeys(runs))}"
+    run_names = [r for r in dict.fromkeys(runs) if r not in envs]
+    title = args.title or ", ".join(sorted(envs)) + (f": {', '.join(run_names)}" if run_names else "")
+    if args.out is None:
+        args.out = str(Path("runs") / f"{sorted(envs)[0].replace('/', '_')}_curves.png")
     fig.suptitle(title)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ step (``stepwise_rollout_loss``), and ``torch.optim`` with ``foreach=False`` (th
 This is the test that failed when the fused Adam applied the workers' channels-last conv gradients as a
 permutation of themselves (conv2-conv4 off by about 2 x lr after one step).
 """
-import multiprocessing as mp
 
 import pytest
 import torch
