@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             lifeline.mark_children()
             for w in range(min(args.workers, n)):
                 p = ctx.Process(target=_worker, args=(args, state_dict, list(range(w, n, args.workers)), queue))
-                p.start()
+                lifeline.start_child(p)
                 procs.append(p)
             while len(scores) < n:
                 try:

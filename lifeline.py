@@ -69,6 +69,19 @@ class blocked_stop_signals:
         return False
 
 
+def start_child(process) -> None:
+    """``process.start()`` with SIGINT and SIGTERM blocked, so that the child starts with them blocked.
+
+    multiprocessing starts its resource tracker inside the first ``start()`` and afterwards *unblocks* SIGINT
+    and SIGTERM in the calling process (``resource_tracker.ensure_running``), whatever the mask was: a child
+    started after that inside one long block would start unprotected. So the tracker is started first, outside
+    any block, and each start gets its own block."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    with blocked_stop_signals():
+        process.start()
+
+
 class StopSignals:
     """SIGINT/SIGTERM as a stop request: the first one is recorded (``signal``), a second one raises
     ``KeyboardInterrupt`` (stop waiting politely). ``exit_code`` is 130 for SIGINT, 143 for SIGTERM."""
