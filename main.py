@@ -117,17 +117,14 @@ def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState
     They start with SIGINT/SIGTERM blocked and bound to this process (``lifeline``); a stop signal that arrives
     meanwhile stays pending here and is handled as soon as the block ends, after the last start.
     """
-    procs = []
     lifeline.mark_children()
-    with lifeline.blocked_stop_signals():
-        if monitor:
-            p = ctx.Process(target=test, args=(args, shared_model, run, elapsed_offset), name="monitor")
-            p.start()
-            procs.append(("monitor", p))
-        for rank in range(args.workers):
-            p = ctx.Process(target=train, args=(rank, args, shared_model, optimizer, run), name=f"worker {rank}")
-            p.start()
-            procs.append((f"worker {rank}", p))
+    todo = [("monitor", test, (args, shared_model, run, elapsed_offset))] if monitor else []
+    todo += [(f"worker {rank}", train, (rank, args, shared_model, optimizer, run)) for rank in range(args.workers)]
+    procs = []
+    for role, target, target_args in todo:
+        p = ctx.Process(target=target, args=target_args, name=role)
+        lifeline.start_child(p)
+        procs.append((role, p))
     return procs
 
 
@@ -167,6 +164,20 @@ def status_line(run: RunState, rate: float) -> str:
     return (f"steps {run.global_steps.value:,} ({rate:.0f} steps/s) | updates {int(stats[:, 0].sum()):,} | "
             f"per step: policy {f['policy_loss']:.4f} value {f['value_loss']:.4f} entropy {f['entropy']:.3f} | "
             f"grad-norm {f['grad_norm']:.2f}")
+
+
+def report_status(log, tb, run: RunState, rate: float) -> None:
+    """One status line in the training log and, with --tensorboard-logger, the same numbers in TensorBoard."""
+    log.info(status_line(run, rate))
+    if tb is None:
+        return
+    steps = run.global_steps.value
+    mean = run.update_stats[run.update_stats[:, 0] > 0].mean(0).tolist()
+    if mean:
+        for name, value in zip(UPDATE_FIELDS[2:], mean[2:]):
+            tb.add_scalar(f"losses/{name}", value, steps)
+    tb.add_scalar("charts/train_steps_per_s", rate, steps)
+    tb.flush()
 
 
 def exited_unexpectedly(procs: list[tuple[str, mp.Process]], budget_reached: bool) -> tuple[str, int] | None:
@@ -286,7 +297,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     procs: list[tuple[str, mp.Process]] = []
     code, reason = 0, ""
     tb = None
-    start = time.time()
+    start = last_status = time.time()
+    status_steps = run.global_steps.value
     try:
         if stop.signal is None:
             procs = launch(ctx, args, shared_model, optimizer, run, elapsed_offset)
@@ -326,15 +338,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                     break
                 last_ckpt = now
             if now - last_status >= args.status_every_seconds:
-                rate = (steps - status_steps) / (now - last_status)
-                log.info(status_line(run, rate))
-                if tb is not None:
-                    mean = run.update_stats[run.update_stats[:, 0] > 0].mean(0).tolist()
-                    if mean:
-                        for name, value in zip(UPDATE_FIELDS[2:], mean[2:]):
-                            tb.add_scalar(f"losses/{name}", value, steps)
-                    tb.add_scalar("charts/train_steps_per_s", rate, steps)
-                    tb.flush()
+                report_status(log, tb, run, (steps - status_steps) / (now - last_status))
                 last_status, status_steps = now, steps
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -343,6 +347,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown below is bounded; let it finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown(procs, run)
+        if procs:  # the last stretch's losses and speed, so that even a short run logs them once
+            span = time.time() - last_status
+            report_status(log, tb, run, (run.global_steps.value - status_steps) / max(span, 1e-9))
         for role, text in run.errors.read_all():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")

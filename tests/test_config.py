@@ -1,6 +1,4 @@
 """Flags: upstream names and defaults, real boolean switches, and validation that reports every problem."""
-import argparse
-
 import pytest
 
 from config import build_parser, rollout_length, validate
@@ -15,7 +13,11 @@ def test_upstream_defaults():
     assert (a.lr, a.entropy_coef, a.value_coef, a.gamma, a.tau, a.seed, a.num_steps) == (1e-4, 0.01, 0.5, 0.99, 1.0, 1, 20)
     assert a.env == "PongNoFrameskip-v4" and a.max_episode_length == 10000 and a.hidden_size == 512
     assert a.optimizer == "Adam" and a.gpu_ids == [-1] and a.shared_optimizer is True and a.amsgrad is False
-    assert a.load_model_dir == a.save_model_dir == "trained_models/" and a.log_dir == "logs/"
+    # the folders are this run's, resolved by validate (--load resumes from --save-model-dir)
+    assert a.load_model_dir is None and a.save_model_dir is None and a.log_dir is None
+    assert validate(a) == []
+    assert a.load_model_dir == a.save_model_dir == "runs/PongNoFrameskip-v4"
+    assert a.log_dir == "logs/PongNoFrameskip-v4"
 
 
 @pytest.mark.parametrize("argv,value", [([], False), (["--amsgrad"], True), (["-a", "True"], True),

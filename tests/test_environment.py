@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from environment import (EnvIdError, EpisodicLife, FireReset, MaxAndSkip, NoopReset, atari_env, load_env_config,
-                         normalizer, process_frame, protocol, resolve_env_id)
+from environment import (MAX_OVER_FRAMES, EnvIdError, EpisodicLife, FireReset, MaxAndSkip, NoopReset, atari_env,
+                         load_env_config, normalizer, process_frame, protocol, resolve_env_id)
 
 
 class FakeALE:
@@ -50,13 +50,44 @@ class FakeAtari(gym.Env):
         return self._frame(), 1.0, self.ale.lives_left == 0, False, {}
 
 
-def test_max_and_skip_sums_rewards_and_maxes_last_frames():
-    env = MaxAndSkip(FakeAtari(life_every=100), skip=4)
+class ScriptedFrames(gym.Env):
+    """Returns the given raw frames and rewards one per step; ``terminated`` on the step given."""
+
+    observation_space = gym.spaces.Box(0, 255, (3,), np.uint8)
+    action_space = gym.spaces.Discrete(4)
+
+    def __init__(self, frames, rewards, terminate_at=None):
+        self.frames, self.rewards, self.terminate_at = frames, rewards, terminate_at
+        self.t = 0
+        self.actions = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.uint8), {}
+
+    def step(self, action):
+        self.actions.append(action)
+        obs, reward = np.array(self.frames[self.t], np.uint8), self.rewards[self.t]
+        self.t += 1
+        return obs, reward, self.t == self.terminate_at, False, {}
+
+
+def test_max_and_skip_maxes_each_pixel_over_the_last_3_raw_frames_only():
+    assert MAX_OVER_FRAMES == 3  # upstream A3G's choice, as the docstring and protocol() say (baselines uses 2)
+    frames = [[200, 0, 0],  # raw frame 1: outside the last 3, its 200 must not show
+              [10, 90, 0],  # frame 2: the earliest of the last 3 holds pixel 1's maximum (not in the last 2)
+              [20, 30, 60],  # frame 3: the frame with the largest sum, but not every pixel's maximum
+              [5, 40, 50],  # frame 4, the last: the maximum of no pixel
+              [1, 2, 3], [4, 1, 0]]  # the next agent step: the game ends on its 2nd raw frame
+    env = MaxAndSkip(ScriptedFrames(frames, [1.0, 0.0, 2.0, 0.0, 5.0, -1.0], terminate_at=6), skip=4)
     env.reset()
     obs, reward, terminated, truncated, _ = env.step(2)
-    assert reward == 4.0 and not terminated and not truncated
-    assert obs.max() == 4 and obs.min() == 4  # max over the last frames (values 2, 3, 4)
-    assert env.env.actions == [2, 2, 2, 2]
+    assert obs.tolist() == [20, 90, 60] and obs.dtype == np.uint8  # element-wise max of raw frames 2, 3, 4
+    assert reward == 3.0 and not terminated and not truncated
+    obs, reward, terminated, _, _ = env.step(3)
+    assert terminated and reward == 4.0
+    assert obs.tolist() == [4, 2, 3]  # the max of this step's 2 raw frames only: nothing left from the last step
+    assert env.env.actions == [2, 2, 2, 2, 3, 3]  # each action repeated; the second cut short by the game's end
 
 
 def test_max_and_skip_stops_early_at_game_end():
@@ -75,6 +106,63 @@ def test_noop_reset_takes_between_1_and_30_noops():
         assert all(a == 0 for a in inner.actions)
         counts.add(len(inner.actions))
     assert min(counts) >= 1 and max(counts) <= 30 and len(counts) > 3
+
+
+class Draw:
+    """A stand-in for the env's ``np_random`` that always draws ``n`` and records the bounds it was asked for."""
+
+    def __init__(self, n):
+        self.n, self.bounds = n, []
+
+    def integers(self, low, high):
+        self.bounds.append((low, high))
+        return self.n
+
+
+class ShortGame(gym.Env):
+    """A game over after ``length`` steps; stepping a finished game is an error (a real emulator would silently
+    go on from a dead game). The frame holds (games started, steps into this game)."""
+
+    observation_space = gym.spaces.Box(0, 255, (2,), np.uint8)
+    action_space = gym.spaces.Discrete(4)
+
+    def __init__(self, length, noops):
+        self.length = length
+        self.np_random = Draw(noops)
+        self.games, self.t, self.over = 0, 0, True
+        self.reset_seeds, self.actions = [], []
+
+    def get_action_meanings(self):
+        return ["NOOP", "FIRE", "RIGHT", "LEFT"]
+
+    def _frame(self):
+        return np.array([self.games, self.t], np.uint8)
+
+    def reset(self, *, seed=None, options=None):
+        self.reset_seeds.append(seed)  # no super().reset: it would replace the fixed draw
+        self.games, self.t, self.over = self.games + 1, 0, False
+        return self._frame(), {}
+
+    def step(self, action):
+        assert not self.over, "stepped a finished game"
+        self.actions.append(action)
+        self.t += 1
+        self.over = self.t == self.length
+        return self._frame(), 0.0, self.over, False, {}
+
+
+def test_noop_reset_resets_again_without_the_seed_when_the_game_ends_during_the_noops():
+    inner = ShortGame(length=5, noops=7)
+    obs, _ = NoopReset(inner).reset(seed=3)
+    assert inner.np_random.bounds == [(1, 31)]  # 1..30 NOOPs
+    assert inner.actions == [0] * 7
+    # NOOPs 1-5 end the first game; the wrapper resets (without reseeding) and NOOPs 6-7 are the new game's
+    assert inner.reset_seeds == [3, None] and not inner.over
+    assert obs.tolist() == [2, 2]  # the new game's frame after its 2 NOOPs, not the finished game's last frame
+    inner.step(2)  # the game handed over is alive
+    quiet = ShortGame(length=5, noops=4)
+    obs, _ = NoopReset(quiet).reset(seed=3)
+    assert quiet.reset_seeds == [3] and obs.tolist() == [1, 4]  # no game end, no second reset
 
 
 def test_episodic_life_semantics():
@@ -180,7 +268,6 @@ def test_real_breakout_episodic_life():
     ale = env.unwrapped.ale
     env.reset(seed=0)
     assert ale.lives() == 5
-    frame_before = None
     for _ in range(2000):  # NOOP never moves the paddle: the ball is lost
         obs, reward, terminated, truncated, info = env.step(0)
         if terminated:

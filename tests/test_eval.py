@@ -72,9 +72,12 @@ def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
 
 
 def test_plot_from_a_tiny_training_run(tmp_path):
-    r = run_entry("main.py", "--workers", "1", "--hidden-size", "32", "--max-steps", "200", "--test-every-steps",
-                  "100", "--max-episode-length", "200", "--log-dir", str(tmp_path / "run/logs"),
-                  "--save-model-dir", str(tmp_path / "run/models"), cwd=tmp_path)
+    # stops after the monitor's 2nd game (the mean of 2 games is >= -1000), which starts after 100 global steps:
+    # a CSV of 2 games, whichever process runs faster
+    r = run_entry("main.py", "--workers", "1", "--hidden-size", "32", "--max-steps", "0", "--target-score", "-1000",
+                  "--score-window", "2", "--test-every-steps", "100", "--max-episode-length", "200",
+                  "--log-dir", str(tmp_path / "run/logs"), "--save-model-dir", str(tmp_path / "run/models"),
+                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "curve.png"
     r = run_entry("plot.py", str(tmp_path / "run/logs"), "--out", str(out), cwd=tmp_path)

@@ -1,34 +1,86 @@
 """A3G mode on CUDA (skipped without a GPU): workers on the GPU, the shared model and optimizer state on the CPU."""
-import multiprocessing as mp
-
 import pytest
 import torch
 
-from conftest import run_entry, ROOT
+from config import build_parser
+from conftest import ROOT, run_entry
+from shared_optim import SharedAdam
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
-def test_worker_on_gpu_updates_cpu_shared_model(tmp_path):
-    from config import build_parser
-    from model import A3Clstm
-    from run_state import RunState
-    from shared_optim import SharedAdam
-    from train import run_worker
+class RecordingSharedAdam(SharedAdam):
+    """The shared Adam, recording at every step the gradient it is handed and the weights it leaves."""
 
-    args = build_parser().parse_args(["--workers", "1", "--max-steps", "0", "--gpu-ids", "0",
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.applied, self.after = [], []
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        assert all(p.grad is not None for p in params), "a shared parameter was handed no gradient"
+        self.applied.append([(p.grad.clone(), p.grad.device, p.grad.stride() == p.stride()) for p in params])
+        out = super().step(closure)
+        self.after.append([p.detach().clone() for p in params])
+        return out
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])  # cpu: the same checks run anywhere
+def test_every_update_applies_the_workers_gradient_to_the_cpu_shared_model_and_syncs_back(tmp_path, monkeypatch,
+                                                                                          device):
+    """A3G: the worker's model acts and computes gradients on its device; the shared model and the shared
+    optimizer stay on the CPU, in shared memory. On every update the optimizer must apply exactly this update's
+    gradient of the worker, for every parameter, as a CPU tensor laid out as its parameter; and the worker must
+    act with the weights that step produced."""
+    import train
+    from model import A3Clstm
+    from player_util import GradientHandoff
+    from run_state import RunState
+
+    class SpyHandoff(GradientHandoff):
+        """The worker's hand-off, recording the local model's device, gradients and weights at each call."""
+
+        def __init__(self, local, shared):
+            super().__init__(local, shared)
+            self.devices, self.grads, self.weights = [], [], []
+            spies.append(self)
+
+        def __call__(self):
+            self.devices.append({t.device for lp, _ in self.pairs for t in (lp, lp.grad)})
+            self.grads.append([lp.grad.to("cpu", copy=True) for lp, _ in self.pairs])
+            self.weights.append([lp.detach().to("cpu", copy=True) for lp, _ in self.pairs])
+            super().__call__()
+
+    spies = []
+    monkeypatch.setattr(train, "GradientHandoff", SpyHandoff)
+    gpu_ids = "0" if device == "cuda" else "-1"
+    args = build_parser().parse_args(["--workers", "1", "--max-steps", "0", "--gpu-ids", gpu_ids,
                                       "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
     args.env_config = str(ROOT / "config.json")
     shared = A3Clstm(1, 6)
     shared.share_memory()
-    before = [p.detach().clone() for p in shared.parameters()]
-    opt = SharedAdam(shared.parameters(), lr=1e-3)
-    run = RunState(mp.get_context("spawn"), 1)
-    assert run_worker(0, args, shared, opt, run, torch.device("cuda", 0), max_updates=3) == 3
+    initial = [p.detach().clone() for p in shared.parameters()]
+    opt = RecordingSharedAdam(shared.parameters(), lr=1e-3)
+    run = RunState(1)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    updates = 3
+    assert train.run_worker(0, args, shared, opt, run, dev, max_updates=updates) == updates
+    (spy,) = spies
+    assert len(spy.grads) == len(opt.applied) == updates
+    for u in range(updates):
+        assert spy.devices[u] == {dev}, f"update {u}: the worker's model or gradients are on {spy.devices[u]}"
+        for i, (lg, (applied, where, same_layout)) in enumerate(zip(spy.grads[u], opt.applied[u])):
+            assert where.type == "cpu" and same_layout, f"update {u}, parameter {i}: {where}, layout {same_layout}"
+            assert torch.equal(applied, lg), f"update {u}, parameter {i}: not the worker's gradient of this update"
+        # the worker acted with the shared weights of that moment: the initial ones, then each step's result
+        synced = initial if u == 0 else opt.after[u - 1]
+        assert all(torch.equal(w, s) for w, s in zip(spy.weights[u], synced)), f"update {u}: weights not synced"
+        assert any(not torch.equal(a, s) for a, s in zip(opt.after[u], synced)), f"update {u}: no step"
+    assert any(not torch.equal(a, b) for a, b in zip(spy.grads[0], spy.grads[1]))  # fresh gradients each update
     assert all(p.device.type == "cpu" and p.is_shared() for p in shared.parameters())
-    assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
-    assert any(not torch.equal(a, b) for a, b in zip(before, shared.parameters()))
+    state = [v for s in opt.state.values() for v in s.values()]
+    assert all(v.device.type == "cpu" and v.is_shared() for v in state)
+    assert all(s["step"].item() == updates for s in opt.state.values())
 
 
 @cuda
@@ -38,6 +90,10 @@ def test_main_in_a3g_mode(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     sd = torch.load(tmp_path / "models/PongNoFrameskip-v4.dat", weights_only=True)
     assert all(v.device.type == "cpu" for v in sd.values())
+    ckpt = torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)
+    assert ckpt["global_steps"] >= 400
+    state = [v for s in ckpt["optimizer"]["state"].values() for v in s.values()]
+    assert state and all(v.device.type == "cpu" for v in state)  # loadable on a machine without a GPU
 
 
 def test_gpu_request_without_cuda_is_a_clear_error():

@@ -23,48 +23,65 @@ def dirs(tmp_path):
             "--load-model-dir", str(tmp_path / "models")]
 
 
+# Stop conditions the tests can rely on whatever the processes' relative speed: the monitor plays a game at start-up,
+# then one more after every --test-every-steps (150) global steps; the mean of its last --score-window games is
+# always >= -1000, so the run stops right after the monitor's game number --score-window (counted over resumed runs
+# too). With --score-window 2 it has played two games and the workers have made at least 150 steps. Games of at
+# most 200 steps keep it short.
+UNTIL_GAME = ["--max-steps", "0", "--max-episode-length", "200", "--target-score", "-1000", "--score-window"]
+
+
 def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", "300", "--tensorboard-logger",
-                  "--status-every-seconds", "0.5", cwd=tmp_path)
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--tensorboard-logger",
+                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "reached --max-steps 300" in r.stdout
+    assert "reached --target-score -1000" in r.stdout
     dat, ckpt_path = tmp_path / "models/PongNoFrameskip-v4.dat", tmp_path / "models/PongNoFrameskip-v4.ckpt"
     sd = torch.load(dat, weights_only=True)
     assert len(sd) == 16 and sd["actor_linear.weight"].shape == (6, 32)
     assert all(v.device.type == "cpu" for v in sd.values())
     ckpt = torch.load(ckpt_path, weights_only=True)
-    steps1 = ckpt["global_steps"]
-    assert steps1 >= 300 and ckpt["config"]["hidden_size"] == 32 and ckpt["optimizer"]["state"]
-    assert ckpt["norm_stats"].shape == (3, 3) and ckpt["norm_stats"][:, 2].min() > 0
+    steps1, games1 = ckpt["global_steps"], int(ckpt["monitor"][0])
+    assert steps1 >= 150 and games1 >= 2 and ckpt["config"]["hidden_size"] == 32 and ckpt["optimizer"]["state"]
+    norm = ckpt["norm_stats"]
+    assert norm.shape == (3, 3) and norm[2, 2] > 0 and norm[:2, 2].max() > 0  # the monitor's, and a worker's
     log = (tmp_path / "logs/PongNoFrameskip-v4_log").read_text().splitlines()
     assert any(line.endswith("lr: 0.0001") for line in log)
-    games1 = [line for line in log if UPSTREAM_LINE.match(line)]
-    assert games1
+    assert len([line for line in log if UPSTREAM_LINE.match(line)]) == games1
     rows1 = list(csv.DictReader(open(tmp_path / "logs/PongNoFrameskip-v4_monitor.csv")))
-    assert len(rows1) == len(games1) and float(rows1[0]["score"]) >= -21 and int(rows1[0]["length"]) > 0
+    assert len(rows1) == games1 and all(-21 <= float(row["score"]) <= 21 and 0 < int(row["length"]) <= 200
+                                        for row in rows1)
+    assert int(rows1[-1]["global_steps"]) >= 150
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path / "logs/runs/PongNoFrameskip-v4_training"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"charts/episode_reward", "charts/episode_length", "charts/steps_per_s"} <= tags
+    # the final status line after shutdown logs the losses even though no periodic status line was due
     assert {"losses/policy_loss", "losses/value_loss", "losses/entropy", "charts/train_steps_per_s"} <= tags
+    train_log = (tmp_path / "logs/PongNoFrameskip-v4_train.log").read_text()
+    assert "per step: policy" in train_log
 
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), "--max-steps", str(steps1 + 200), "--load", "--lr", "5e-05",
+    # The mean's window counts the first run's games, so this run stops after its own 2nd game, which starts only
+    # after 150 more global steps.
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, str(games1 + 2), "--load", "--lr", "5e-05",
                   cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"at {steps1:,} global steps" in r.stdout and "resumed the Adam statistics" in r.stdout
     assert "the command line changes the checkpoint's lr 0.0001 -> 5e-05" in r.stdout
     ckpt2 = torch.load(ckpt_path, weights_only=True)
     assert ckpt2["optimizer"]["param_groups"][0]["lr"] == 5e-05  # the new rate was used, not the saved one
-    assert ckpt2["global_steps"] >= steps1 + 200
-    assert ckpt2["monitor"][0] > ckpt["monitor"][0]  # game count carried on
+    assert ckpt2["global_steps"] >= steps1 + 150
+    games2 = int(ckpt2["monitor"][0])
+    assert games2 >= games1 + 2  # game count carried on
     step_counts = [s["step"].item() for s in ckpt2["optimizer"]["state"].values()]
     assert min(step_counts) > max(s["step"].item() for s in ckpt["optimizer"]["state"].values())
     log2 = (tmp_path / "logs/PongNoFrameskip-v4_log").read_text().splitlines()
     assert log2[: len(log)] == log  # appended, not truncated
+    assert len([line for line in log2 if UPSTREAM_LINE.match(line)]) == games2
     rows2 = list(csv.DictReader(open(tmp_path / "logs/PongNoFrameskip-v4_monitor.csv")))
-    assert rows2[: len(rows1)] == rows1 and len(rows2) > len(rows1)
-    assert int(rows2[-1]["global_steps"]) >= steps1
+    assert rows2[: len(rows1)] == rows1 and len(rows2) == games2
+    assert int(rows2[-1]["global_steps"]) >= steps1 + 150
 
 
 def test_target_score_stops_the_run_and_save_max_keeps_upstream_semantics(tmp_path):
@@ -87,8 +104,8 @@ def test_max_seconds_stops_the_run(tmp_path):
 def start_main(tmp_path, *extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(ROOT / "main.py"), *TINY, *dirs(tmp_path), "--max-steps", "0",
-                             *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             "--status-every-seconds", "0.2", *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def wait_for_children(proc, n, timeout=90):
@@ -101,15 +118,15 @@ def wait_for_children(proc, n, timeout=90):
     raise AssertionError("workers did not start")
 
 
-def wait_for_steps(tmp_path, timeout=90):
-    """Wait until the workers have made updates (the monitor's first game is logged at start-up)."""
-    csv_path = tmp_path / "logs/PongNoFrameskip-v4_monitor.csv"
+def wait_for_updates(tmp_path, timeout=90):
+    """Wait until a status line in the main process's log counts workers' updates (so steps were counted)."""
+    log = tmp_path / "logs/PongNoFrameskip-v4_train.log"
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if csv_path.exists() and len(csv_path.read_text().splitlines()) >= 2:
+        if log.exists() and re.search(r"\| updates [1-9]", log.read_text()):
             return
-        time.sleep(0.5)
-    raise AssertionError("no monitor game")
+        time.sleep(0.2)
+    raise AssertionError("no worker update")
 
 
 def gone(procs, timeout=10.0):
@@ -122,7 +139,7 @@ def test_ctrl_c_and_sigterm_stop_everything(tmp_path, sig, code):
     proc = start_main(tmp_path)
     try:
         kids = wait_for_children(proc, 3)
-        wait_for_steps(tmp_path)
+        wait_for_updates(tmp_path)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the whole process group
         else:
@@ -219,5 +236,5 @@ def test_an_existing_model_is_never_overwritten_by_a_new_run(tmp_path, models):
     dat = models / "PongNoFrameskip-v4.dat"
     dat.write_bytes(b"a trained model")
     (line,) = bad(tmp_path)
-    assert "PongNoFrameskip-v4.dat exists and this run would overwrite it: pass --load" in line
+    assert "PongNoFrameskip-v4.dat exists and this run would overwrite it: to continue training from it, pass --load" in line
     assert dat.read_bytes() == b"a trained model"

@@ -1,7 +1,6 @@
 """The worker's pieces: the batched replay gives upstream's gradient, bootstrapping follows terminated vs
 truncated, the LSTM state is zeroed at episode ends and detached between rollouts, and one seeded worker is
 deterministic."""
-import argparse
 import multiprocessing as mp
 
 import gymnasium
@@ -101,7 +100,7 @@ def train_once(tmp_path, updates=6, seed=1):
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
     opt = SharedAdam(shared.parameters(), lr=1e-3)
-    run = RunState(mp.get_context("spawn"), 1)
+    run = RunState(1)
     n = run_worker(0, args, shared, opt, run, CPU, max_updates=updates)
     return n, run, {k: v.clone() for k, v in shared.state_dict().items()}
 
@@ -119,12 +118,29 @@ def test_worker_stops_at_max_steps_and_on_stop_event(tmp_path):
     args = worker_args(tmp_path, max_steps=50)
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
-    run = RunState(mp.get_context("spawn"), 1)
+    run = RunState(1)
     run_worker(0, args, shared, None, run, CPU)  # private optimizer (--no-shared-optimizer)
     assert 50 <= run.global_steps.value < 50 + args.num_steps
     assert run.update_stats[0, 0] >= 3 and run.norm_stats[0, 2] > 0
     run.stop.set()
     assert run_worker(0, args, shared, None, run, CPU) == 0
+
+
+def test_a_worker_started_after_a_restore_normalises_from_its_saved_statistics(tmp_path):
+    before = RunState(2)  # the run that wrote the checkpoint: rows worker 0, worker 1, monitor
+    before.norm_stats.copy_(torch.tensor([[1000.0, 500.0, 5000], [2000.0, 700.0, 7000], [50.0, 20.0, 300]],
+                                         dtype=torch.float64))
+    torch.save(before.snapshot(), tmp_path / "ckpt.pt")
+    run = RunState(2)
+    run.restore(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # what main.py does on --load
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    assert run_worker(1, worker_args(tmp_path, workers=2), shared, None, run, CPU, max_updates=1) == 1
+    mean, std, count = run.norm_stats[1].tolist()  # worker 1's normaliser after its first rollout
+    assert count == 7000 + 1 + run.global_steps.value  # the saved count, then the reset frame and each step's
+    # (a fresh normaliser would be near 0.2% of a Pong frame's mean and std after 21 frames)
+    assert mean == pytest.approx(2000.0, rel=0.01) and std == pytest.approx(700.0, rel=0.01)
+    assert run.norm_stats[0].tolist() == [1000.0, 500.0, 5000]  # worker 0's row is worker 0's
 
 
 def test_a_failing_worker_reports_its_traceback(tmp_path):
@@ -134,7 +150,7 @@ def test_a_failing_worker_reports_its_traceback(tmp_path):
     args.env = "NoSuchGameNoFrameskip-v4"  # passes no validation: the worker itself fails
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
-    run = RunState(ctx, 1)
+    run = RunState(1)
     p = ctx.Process(target=train, args=(0, args, shared, None, run))
     p.start()
     role, text = run.errors.get(timeout=120)
@@ -162,7 +178,7 @@ def test_max_grad_norm_clips_what_the_shared_optimizer_applies(tmp_path, max_nor
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
     opt = RecordingSGD(shared.parameters())
-    run = RunState(mp.get_context("spawn"), 1)
+    run = RunState(1)
     run_worker(0, args, shared, opt, run, CPU, max_updates=4)
     assert len(opt.norms) == 4
     if max_norm:
@@ -235,3 +251,22 @@ def test_pong_games_have_no_restarts():
     _, length, finished = play_game(spy, env, CPU, seed=0)
     assert finished and length == 300 - 2  # the time limit (the FIRE reset took 2 steps); no lives in Pong
     assert set(env.actions) == {0} and sum(n == 0 for n in spy.hx_norms) == 1
+
+
+def test_the_learners_lstm_state_is_zeroed_after_a_lost_life_and_the_game_goes_on():
+    torch.manual_seed(0)
+    env = atari_env("BreakoutNoFrameskip-v4", load_env_config("config.json", "BreakoutNoFrameskip-v4"),
+                    episodic_life=True)
+    agent = Agent(_always_noop_model(env.action_space.n), env, CPU, seed=0)  # NOOP (mostly): the ball is lost
+    ale = env.unwrapped.ale
+    rollouts = []
+    for _ in range(100):
+        rollouts.append(agent.rollout(10))
+        if rollouts[-1].terminated:
+            break
+    assert rollouts[-1].terminated and ale.lives() == 4 and len(rollouts) >= 2
+    assert torch.count_nonzero(rollouts[-1].state[0]) > 0  # within a life the state is carried across rollouts
+    frame = ale.getEpisodeFrameNumber()
+    after = agent.rollout(10)
+    assert ale.lives() == 4 and ale.getEpisodeFrameNumber() > frame  # the same game goes on: no real reset
+    assert torch.count_nonzero(after.state[0]) == 0 and torch.count_nonzero(after.state[1]) == 0
