@@ -1,0 +1,749 @@
+"""Fault injection: main.py under kill -9, signals, broken files, a full disk and huge errors.
+
+Every case runs the real ``main.py`` as a subprocess in ``tmp_path``, in a new session and with a unique marker in
+its environment (``A3G_FAULT_TEST=<uuid>``). Spawned children inherit both, so the run's processes are found by
+scanning ``/proc`` even after the main process died and they were reparented (see ``run_processes``). Each case
+asserts:
+
+- the run ends within ``END_SECONDS`` of the fault (every wait has a deadline; nothing waits unbounded),
+- the documented exit code (0 stop condition, 1 a process failed, 2 bad input, 130 SIGINT, 143 SIGTERM),
+- no process of the run is left afterwards,
+- every ``.ckpt`` / ``.dat`` on disk loads with ``weights_only=True``, and no temporary file is left: none right
+  after the run, or none after the next ``--load`` run (the contract: a process killed mid-write cannot clean up;
+  the next run must).
+
+The ``launch`` fixture kills every process of every run a test started, whatever happened. Start-up waits are
+generous (the machine may be busy); only the end after a fault is held to ``END_SECONDS``. The many-moment and
+repeated variants are ``slow`` (``pytest -m slow``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT
+
+ENV_ID = "PongNoFrameskip-v4"
+CKPT = f"{ENV_ID}.ckpt"
+MARKER_VAR = "A3G_FAULT_TEST"
+HOOKS = Path(__file__).resolve().parent / "fault_hooks"
+START_SECONDS = 150.0  # start-up on a busy 2-core machine: torch import, ALE, three spawned processes
+END_SECONDS = 15.0  # the contract: a run ends this soon after a fault
+AFTER_EXIT_GRACE = 2.0  # the kernel and the resource tracker may need a moment after main's exit
+TRACEBACK = "Traceback (most recent call last)"
+DISK_FULL = re.compile(r"no space left|disk is full", re.IGNORECASE)
+
+pytestmark = pytest.mark.timeout(900)  # a case may start two runs; each wait inside has its own deadline
+
+
+# --------------------------------------------------------------------------------------------------- harness
+def run_processes(session: int, marker: str) -> list[psutil.Process]:
+    """Live processes in session ``session`` or with ``A3G_FAULT_TEST=<marker>`` in their environment.
+
+    The session (each run starts one) survives the main process's death and reparenting. The environment marker
+    alone is not enough: ``setproctitle`` overwrites the memory that ``/proc/PID/environ`` shows, so a child that
+    has set its title no longer shows the marker there. Zombies are not counted.
+    """
+    needle = f"\0{MARKER_VAR}={marker}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            state, _ppid, _pgrp, sid = stat[stat.rindex(b")") + 2:].split()[:4]
+            if state == b"Z":
+                continue
+            if int(sid) != session:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle not in b"\0" + f.read():
+                        continue
+            found.append(psutil.Process(int(name)))
+        except (OSError, ValueError, psutil.Error):
+            continue
+    return found
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:100]!r}")
+        except psutil.Error:
+            out.append(f"{p.pid} (gone)")
+    return "; ".join(out) or "none"
+
+
+def title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+class Run:
+    """One entry-point subprocess with the marker in its environment; output goes to files in ``tmp_path``."""
+
+    def __init__(self, tmp_path: Path, args: list[str], *, script: str = "main.py", env: dict | None = None,
+                 prefix: list[str] | None = None, name: str = "run"):
+        self.marker = uuid.uuid4().hex
+        self.name = name
+        self.out_path, self.err_path = tmp_path / f"{name}.stdout", tmp_path / f"{name}.stderr"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        full_env[MARKER_VAR] = self.marker
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.t0 = time.monotonic()
+            self.proc = subprocess.Popen([*(prefix or []), sys.executable, str(ROOT / script), *args], cwd=tmp_path,
+                                         env=full_env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.exit_time: float | None = None
+
+    # -- output
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def output(self) -> str:
+        return self.stdout() + self.stderr()
+
+    def tail(self, n: int = 3000) -> str:
+        def cut(s):
+            return s if len(s) <= n else f"...[{len(s) - n} chars]..." + s[-n:]
+        return f"\n--- {self.name} stdout ---\n{cut(self.stdout())}\n--- {self.name} stderr ---\n{cut(self.stderr())}"
+
+    # -- processes
+    def processes(self) -> list[psutil.Process]:
+        """The run's live processes: its session (``start_new_session``) plus anything with its marker."""
+        return run_processes(self.proc.pid, self.marker)
+
+    def children(self) -> list[psutil.Process]:
+        """Processes of the run other than main and multiprocessing's resource tracker."""
+        return [p for p in self.processes() if p.pid != self.proc.pid and "resource_tracker" not in title(p)]
+
+    def role(self, role: str, timeout: float = START_SECONDS) -> psutil.Process:
+        """The run's process titled ``a3g <role>`` (titles are set once a child is up)."""
+        found = self.poll_until(lambda: next((p for p in self.processes() if f"a3g {role}" in title(p)), None),
+                                timeout, f"a process titled 'a3g {role}'")
+        return found
+
+    def poll_until(self, condition, timeout: float, what: str, period: float = 0.1):
+        """Poll ``condition()`` until it returns something truthy; fail if the run exits first or on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = condition()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode} before {what}{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:.0f} s{self.tail()}")
+            time.sleep(period)
+
+    def wait_for_output(self, pattern: str, timeout: float = START_SECONDS) -> re.Match:
+        rx = re.compile(pattern, re.MULTILINE)
+        return self.poll_until(lambda: rx.search(self.output()), timeout, f"output matching {pattern!r}")
+
+    def wait_exit(self, deadline: float) -> int | None:
+        """The exit code, or None if the run is still going at ``deadline`` (time.monotonic)."""
+        try:
+            code = self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        if self.exit_time is None:
+            self.exit_time = time.monotonic()
+        return code
+
+    def leftovers(self, deadline: float) -> list[psutil.Process]:
+        """Processes of the run still alive at ``deadline`` (or AFTER_EXIT_GRACE after main's exit, if later)."""
+        if self.exit_time is not None:
+            deadline = max(deadline, self.exit_time + AFTER_EXIT_GRACE)
+        while True:
+            alive = self.processes()
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the run (found by marker, so orphans too) and reap main."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            alive = self.processes()
+            if not alive and self.proc.poll() is not None:
+                break
+            for p in alive:
+                try:
+                    p.kill()  # psutil checks the pid was not reused
+                except psutil.Error:
+                    pass
+            time.sleep(0.1)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch(args, ...) -> Run``; every run's processes are killed at teardown, whatever the outcome."""
+    runs: list[Run] = []
+
+    def start(args: list[str], **kw) -> Run:
+        kw.setdefault("name", f"run{len(runs)}")
+        run = Run(tmp_path, args, **kw)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill_all()
+    stray = [p for run in runs for p in run.processes()]
+    assert not stray, f"could not kill {describe(stray)}"
+
+
+def train_args(tmp_path: Path, *extra: str) -> list[str]:
+    """Tiny A3C flags; no stop condition unless ``extra`` adds one (the fault should end the run)."""
+    args = ["--env", ENV_ID, "--workers", "2", "--hidden-size", "32", "--env-config", str(ROOT / "config.json"),
+            "--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"),
+            "--load-model-dir", str(tmp_path / "models"),
+            "--max-episode-length", "300",  # short monitor games: its first line comes early
+            "--test-every-steps", "2000"]
+    flags = {a for a in extra if a.startswith("--")}
+    if "--max-steps" not in flags:
+        args += ["--max-steps", "0"]
+    return args + list(extra)
+
+
+def models_dir(tmp_path: Path) -> Path:
+    return tmp_path / "models"
+
+
+def temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp" in p.name) if folder.is_dir() else []
+
+
+def load_saved(folder: Path) -> dict[str, dict]:
+    """Load every ``.ckpt`` and ``.dat`` in ``folder`` as the project does, and check the model inside.
+
+    Returns {file name: loaded object}. Fails naming the file when one does not load.
+    """
+    from checkpoint import is_checkpoint, read_weights
+    from model import A3Clstm
+
+    loaded = {}
+    for path in sorted([*folder.glob("*.ckpt"), *folder.glob("*.dat")]) if folder.is_dir() else []:
+        try:
+            obj = read_weights(path)
+            torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            raise AssertionError(f"{path.name} ({path.stat().st_size} bytes) does not load: {e}") from e
+        if path.suffix == ".ckpt":
+            assert is_checkpoint(obj), f"{path.name} is not a full checkpoint"
+            assert isinstance(obj.get("global_steps"), int), f"{path.name} has no global_steps"
+            sd = obj["model"]
+        else:
+            sd = obj
+        A3Clstm(1, 6, 32).load_state_dict(sd, strict=True)
+        loaded[path.name] = obj
+    return loaded
+
+
+def check_end(run: Run, fault_time: float, codes: set[int], *, traceback_ok: bool = False,
+              stopped: bool = True) -> int:
+    """The run ends within END_SECONDS of ``fault_time`` with one of ``codes``, leaving no process behind."""
+    code = run.wait_exit(fault_time + END_SECONDS)
+    if code is None:
+        alive = run.processes()
+        raise AssertionError(f"the run was still going {END_SECONDS:.0f} s after the fault; processes: "
+                             f"{describe(alive)}{run.tail()}")
+    left = run.leftovers(fault_time + END_SECONDS)
+    assert not left, f"processes of the run left after it ended (exit {code}): {describe(left)}{run.tail()}"
+    assert code in codes, f"exit code {code}, expected {sorted(codes)}{run.tail()}"
+    if not traceback_ok:
+        assert TRACEBACK not in run.output(), f"a traceback in the output{run.tail()}"
+    if stopped:
+        assert "stopped:" in run.stdout(), f"no 'stopped:' line{run.tail()}"
+    return code
+
+
+def resume_run(launch, tmp_path: Path, name: str = "resume") -> Run | None:
+    """The next run: ``--load`` from the same folder with a tiny budget; it must exit 0 and leave no temp file.
+
+    Returns None (and runs nothing) when there is nothing to load.
+    """
+    models = models_dir(tmp_path)
+    saved = load_saved(models)
+    if not saved:
+        return None
+    steps = saved[CKPT]["global_steps"] if CKPT in saved else 0
+    run = launch(train_args(tmp_path, "--load", "--max-steps", str(steps + 40), "--test-every-steps", "1000000000"),
+                 name=name)
+    code = run.wait_exit(time.monotonic() + START_SECONDS + END_SECONDS)
+    assert code is not None, f"the --load run did not end{run.tail()}"
+    assert code == 0, f"the --load run exited {code}{run.tail()}"
+    left = run.leftovers(time.monotonic())
+    assert not left, f"the --load run left {describe(left)}"
+    assert not temp_files(models), f"temporary files left after the next run: {temp_files(models)}"
+    load_saved(models)
+    return run
+
+
+def no_stray_temp_files(launch, tmp_path: Path) -> None:
+    """No temporary file in the save folder: none now, or none after the next ``--load`` run (a process killed
+    mid-write cannot remove its own; the contract is that the next run does)."""
+    if temp_files(models_dir(tmp_path)):
+        resume_run(launch, tmp_path, name="next-run")
+
+
+def wait_for_steps(run: Run, tmp_path: Path, minimum: int = 1, timeout: float = START_SECONDS) -> int:
+    """Wait until the on-disk checkpoint shows ``minimum`` global steps (needs a small checkpoint period)."""
+    path = models_dir(tmp_path) / CKPT
+
+    def steps():
+        try:
+            n = torch.load(path, map_location="cpu", weights_only=True)["global_steps"]
+        except Exception:  # noqa: BLE001 - not there yet
+            return None
+        return (n,) if n >= minimum else None  # a tuple: 0 steps is a valid answer
+
+    return run.poll_until(steps, timeout, f"a checkpoint with >= {minimum} global steps", period=0.25)[0]
+
+
+def wait_for_children(run: Run, count: int = 1, timeout: float = START_SECONDS) -> list[psutil.Process]:
+    """Return as soon as main has spawned ``count`` children (the start-up window)."""
+    def enough():
+        kids = run.children()
+        return kids if len(kids) >= count else None
+    return run.poll_until(enough, timeout, f"{count} spawned children", period=0.01)
+
+
+def wait_for_torch_import(run: Run, timeout: float = START_SECONDS) -> None:
+    """Return once main has begun importing torch: its own code is running (a signal before that lands in the
+    interpreter's start-up, where no script can handle it)."""
+    def importing():
+        try:
+            with open(f"/proc/{run.proc.pid}/maps") as f:
+                return "torch" in f.read()
+        except OSError:
+            return False
+    run.poll_until(importing, timeout, "main importing torch", period=0.005)
+
+
+def pause(seconds: float) -> None:
+    """A random pause, printed so that a failure shows the moment it used."""
+    print(f"fault injected after a random pause of {seconds:.2f} s")
+    time.sleep(seconds)
+
+
+# ------------------------------------------------------------------------------- 1. kill -9 of a worker
+def kill_worker_case(launch, tmp_path, moment: str, rank: int = 1, resume: bool = True):
+    run = launch(train_args(tmp_path, "--checkpoint-every-seconds", "0.5"))
+    worker = run.role(f"worker {rank}")
+    if moment == "mid-run":
+        wait_for_steps(run, tmp_path)
+    elif moment == "after-first-game":
+        run.wait_for_output(r"\[monitor\]")
+    elif moment == "random":
+        wait_for_steps(run, tmp_path)
+        pause(random.uniform(0, 3))
+    t = time.monotonic()
+    worker.kill()
+    check_end(run, t, {1})
+    assert f"worker {rank} exited unexpectedly" in run.stdout(), run.tail()
+    saved = load_saved(models_dir(tmp_path))
+    assert CKPT in saved, "no checkpoint after the run"
+    if resume:
+        resume_run(launch, tmp_path)
+    else:
+        no_stray_temp_files(launch, tmp_path)
+
+
+def test_killed_worker_ends_the_run_and_its_checkpoint_loads(launch, tmp_path):
+    kill_worker_case(launch, tmp_path, "mid-run", resume=False)  # the slow variants also resume from it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid-run", "just-started", "after-first-game", "random", "random-again"])
+def test_killed_worker_at_other_moments(launch, tmp_path, moment):
+    kill_worker_case(launch, tmp_path, moment.removesuffix("-again"), rank=random.choice([0, 1]))
+
+
+# ------------------------------------------------------------------------------ 2. kill -9 of the monitor
+def kill_monitor_case(launch, tmp_path, moment: str, resume: bool):
+    if moment == "between-games":  # one short game at start-up, then the monitor idles
+        run = launch(train_args(tmp_path, "--test-every-steps", "1000000000"))
+        run.wait_for_output(r"\[monitor\]")
+        time.sleep(1.0)
+    elif moment == "mid-game":  # games back to back, killed while one is being played
+        run = launch(train_args(tmp_path, "--test-every-steps", "0", "--max-episode-length", "3000"))
+        run.wait_for_output(r"\[monitor\]")
+        pause(random.uniform(0.3, 2.0))
+    else:  # while it starts up / plays its first game
+        run = launch(train_args(tmp_path))
+        run.role("monitor")
+        pause(random.uniform(0.0, 2.0))
+    monitor = run.role("monitor", timeout=5)
+    t = time.monotonic()
+    monitor.kill()
+    check_end(run, t, {1})
+    assert "monitor exited unexpectedly" in run.stdout(), run.tail()
+    load_saved(models_dir(tmp_path))
+    if resume:
+        resume_run(launch, tmp_path)
+    else:
+        no_stray_temp_files(launch, tmp_path)
+
+
+def test_killed_monitor_between_games_ends_the_run(launch, tmp_path):
+    kill_monitor_case(launch, tmp_path, "between-games", resume=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid-game", "mid-game-again", "first-game"])
+def test_killed_monitor_mid_game_ends_the_run(launch, tmp_path, moment):
+    kill_monitor_case(launch, tmp_path, moment.removesuffix("-again"), resume=True)
+
+
+# ---------------------------------------------------------------------------------- 3. kill -9 of main
+def kill_main_case(launch, tmp_path, moment):
+    run = launch(train_args(tmp_path, "--checkpoint-every-seconds", "1"))
+    if isinstance(moment, float):
+        time.sleep(max(0.0, run.t0 + moment - time.monotonic()))
+    elif moment == "spawning":  # the first child exists; main may not have handed it its arguments yet
+        wait_for_children(run)
+    elif moment == "spawned":  # monitor and both workers exist, still importing: not yet set up
+        wait_for_children(run, count=3)
+    elif moment == "mid-run":
+        run.wait_for_output(r"\[monitor\]")
+    assert run.proc.poll() is None, f"main ended before it was killed{run.tail()}"
+    t = time.monotonic()
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    run.exit_time = time.monotonic()
+    left = run.leftovers(t + END_SECONDS)
+    assert not left, f"children outlived the killed main by {END_SECONDS:.0f} s: {describe(left)}"
+    return run
+
+
+def test_killed_main_leaves_no_child_behind_when_killed_right_after_spawning(launch, tmp_path):
+    kill_main_case(launch, tmp_path, "spawned")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", [0.5, 1.0, 3.0, 5.0, "spawning", "mid-run"])
+def test_killed_main_leaves_no_child_behind(launch, tmp_path, moment):
+    kill_main_case(launch, tmp_path, moment)
+    resume_run(launch, tmp_path)
+
+
+# ------------------------------------------------------------------------------ 4. SIGINT and SIGTERM
+def signal_case(launch, tmp_path, sig: int, moment, to_group: bool):
+    run = launch(train_args(tmp_path, "--checkpoint-every-seconds", "1"))
+    if isinstance(moment, float):
+        time.sleep(max(0.0, run.t0 + moment - time.monotonic()))
+    elif moment == "importing":  # the earliest moment a script can catch a signal
+        wait_for_torch_import(run)
+    elif moment == "spawning":
+        wait_for_children(run)
+    elif moment == "spawned":
+        wait_for_children(run, count=3)
+    elif moment == "mid-run":
+        run.wait_for_output(r"\[monitor\]")
+    assert run.proc.poll() is None, f"main ended before the signal{run.tail()}"
+    started = bool(run.children())
+    t = time.monotonic()
+    if to_group:  # a terminal's Ctrl-C reaches the whole foreground process group
+        os.killpg(run.proc.pid, sig)
+    else:
+        run.proc.send_signal(sig)
+    expected = {128 + sig}
+    if not started:  # killed by the signal before anything was started is the same as exit 128 + sig
+        expected.add(-sig)
+    check_end(run, t, expected, stopped=started)
+    load_saved(models_dir(tmp_path))
+    no_stray_temp_files(launch, tmp_path)
+
+
+@pytest.mark.parametrize("sig,moment", [(signal.SIGINT, "importing"), (signal.SIGINT, "spawned"),
+                                        (signal.SIGTERM, "spawning")],
+                         ids=["SIGINT-while-importing", "SIGINT-as-children-start", "SIGTERM-while-spawning"])
+def test_signal_during_start_up_stops_the_run(launch, tmp_path, sig, moment):
+    """Ctrl-C goes to the whole process group, as from a terminal: children that are still starting get it too."""
+    signal_case(launch, tmp_path, sig, moment, to_group=sig == signal.SIGINT)
+
+
+def test_every_child_starts_with_ctrl_c_held_back(launch, tmp_path):
+    """The window SIGINT-as-children-start hits by chance, checked every time: each child of the run (monitor,
+    workers, multiprocessing's resource tracker) must start its interpreter with SIGINT blocked, else a Ctrl-C to
+    the group while it imports kills it with a fatal error instead of stopping the run. (Fails on a launch that
+    blocks the signals once around all the starts: the resource tracker unblocks them inside the first start.)"""
+    fired = tmp_path / "startup_masks"
+    run = launch(train_args(tmp_path), env=fault_env("startup_mask", fired))
+    wait_for_children(run, count=3)
+
+    def reported():
+        lines = fired.read_text().splitlines() if fired.exists() else []
+        return lines if len(lines) >= 4 else None  # the tracker and three children
+    lines = run.poll_until(reported, START_SECONDS, "four children reporting their start-up mask", period=0.05)
+    t = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    check_end(run, t, {143})
+    assert all(line.endswith(" blocked") for line in lines), f"children started with SIGINT open: {lines}"
+
+
+MOMENTS = ["importing", 0.3, 1.0, 2.0, 4.0, "spawning", "spawned", "mid-run"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize("sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["SIGINT-to-group", "SIGTERM-to-main"])
+def test_signal_at_any_moment_stops_the_run(launch, tmp_path, sig, to_group, moment):
+    signal_case(launch, tmp_path, sig, moment, to_group)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["spawned", "mid-run"])
+def test_sigterm_to_the_whole_group_stops_the_run(launch, tmp_path, moment):
+    """``kill -TERM -PGID`` (a supervisor stopping a group): the children get SIGTERM too; still exit 143."""
+    signal_case(launch, tmp_path, signal.SIGTERM, moment, to_group=True)
+
+
+# ------------------------------------------------------------- 5. kill -9 of main during a checkpoint write
+def kill_during_write_case(launch, tmp_path, random_moment: bool):
+    models = models_dir(tmp_path)
+    run = launch(train_args(tmp_path, "--checkpoint-every-seconds", "0.2"))
+    wait_for_steps(run, tmp_path, minimum=0)  # a complete checkpoint exists
+    if random_moment:
+        pause(random.uniform(0.0, 1.0))
+    else:  # as soon as a checkpoint's temporary file is seen
+        def writing():
+            try:
+                return any(n.startswith(f".{CKPT}") and ".tmp" in n for n in os.listdir(models))
+            except OSError:
+                return False
+        run.poll_until(writing, 60, "a checkpoint being written", period=0.002)
+    t = time.monotonic()
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    run.exit_time = time.monotonic()
+    left = run.leftovers(t + END_SECONDS)
+    assert not left, f"children outlived the killed main: {describe(left)}"
+    saved = load_saved(models)
+    assert CKPT in saved, f"the last complete checkpoint is gone (folder: {sorted(os.listdir(models))})"
+    # usually a temporary file is left here (the write was cut); the write may also have just finished
+    print(f"after the kill: {sorted(os.listdir(models))}")
+    resume_run(launch, tmp_path)
+
+
+def test_killed_main_during_checkpoint_write(launch, tmp_path):
+    kill_during_write_case(launch, tmp_path, random_moment=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(3))
+def test_killed_main_at_random_moments_while_checkpointing(launch, tmp_path, repeat):
+    kill_during_write_case(launch, tmp_path, random_moment=True)
+
+
+# ------------------------------------------------------------------------------------- 6. broken files
+def broken_checkpoint(kind: str, path: Path) -> None:
+    from checkpoint import CHECKPOINT_FORMAT
+    from model import A3Clstm
+    good = {"format": CHECKPOINT_FORMAT, "version": 1, "env": ENV_ID, "global_steps": 100,
+            "model": A3Clstm(1, 6, 32).state_dict()}
+    if kind == "no-model-key":
+        torch.save({k: v for k, v in good.items() if k != "model"}, path)
+    elif kind == "model-is-a-list":
+        torch.save({**good, "model": [torch.zeros(3)]}, path)
+    elif kind == "model-is-none":
+        torch.save({**good, "model": None}, path)
+    elif kind == "truncated":
+        torch.save(good, path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "garbage":
+        path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    else:
+        raise ValueError(kind)
+
+
+def broken_file_case(tmp_path, entry: str, kind: str):
+    models = models_dir(tmp_path)
+    models.mkdir()
+    path = models / CKPT
+    broken_checkpoint(kind, path)
+    before = path.read_bytes()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if entry == "main.py":
+        args = ["--load", "--load-model-dir", str(models), "--save-model-dir", str(models),
+                "--log-dir", str(tmp_path / "logs"), "--hidden-size", "32", "--env-config", str(ROOT / "config.json")]
+    else:
+        args = ["--model-file", str(path), "--num-episodes", "1", "--hidden-size", "32",
+                "--log-dir", str(tmp_path / "logs"), "--env-config", str(ROOT / "config.json")]
+    r = subprocess.run([sys.executable, str(ROOT / entry), *args], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=START_SECONDS)
+    shown = f"\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-2000:]}"
+    assert r.returncode == 2, f"exit {r.returncode}{shown}"
+    assert TRACEBACK not in r.stderr + r.stdout, shown
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{entry}: error: "), shown
+    assert str(path) in lines[0] or path.name in lines[0], f"the error does not name the file{shown}"
+    assert path.read_bytes() == before, "the broken file was modified"
+    assert sorted(os.listdir(models)) == [CKPT], "something was written next to the broken file"
+    assert not (tmp_path / "logs").exists(), "bad input, yet a log folder was created"
+
+
+@pytest.mark.parametrize("entry", ["main.py", "gym_eval.py"])
+@pytest.mark.parametrize("kind", ["no-model-key", "model-is-a-list"])
+def test_broken_checkpoint_is_bad_input(tmp_path, entry, kind):
+    broken_file_case(tmp_path, entry, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["main.py", "gym_eval.py"])
+@pytest.mark.parametrize("kind", ["model-is-none", "truncated", "garbage"])
+def test_other_broken_checkpoints_are_bad_input(tmp_path, entry, kind):
+    broken_file_case(tmp_path, entry, kind)
+
+
+# ---------------------------------------------------------------------------------------- 7. full disk
+@functools.lru_cache(maxsize=1)
+def mount_prefix() -> tuple[str, ...] | None:
+    """A command prefix that runs its command in a private mount namespace where tmpfs can be mounted."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not sys.platform.startswith("linux"):
+        return None
+    probe = Path(f"/tmp/a3g-mount-probe-{uuid.uuid4().hex}")
+    probe.mkdir()
+    try:
+        for flags in (["--mount"], ["--user", "--map-root-user", "--mount"]):
+            try:
+                r = subprocess.run([unshare, *flags, "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$0"', str(probe)],
+                                   capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if r.returncode == 0:
+                return (unshare, *flags)
+    finally:
+        probe.rmdir()
+    return None
+
+
+def model_file_size() -> int:
+    """Bytes of a hidden-size-32 ``.dat``; a full checkpoint (model + Adam's two statistics) is about 3x."""
+    import io
+    from model import A3Clstm
+    buf = io.BytesIO()
+    torch.save(A3Clstm(1, 6, 32).state_dict(), buf)
+    return buf.tell()
+
+
+def full_disk_case(launch, tmp_path, size_bytes: int, expect_a_file: bool):
+    prefix = mount_prefix()
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (no unshare, or no permission)")
+    models, copy = models_dir(tmp_path), tmp_path / "models-after"
+    models.mkdir()
+    copy.mkdir()
+    # mount a small tmpfs over the save folder, run main.py, then copy what is there out of the namespace
+    script = ('d="$1"; out="$2"; kb="$3"; shift 3; mount -t tmpfs -o size="$kb"k tmpfs "$d" || exit 97; '
+              '"$@"; rc=$?; cp -a "$d"/. "$out"/; exit $rc')
+    kb = max(4, size_bytes // 1024)
+    args = train_args(tmp_path, "--checkpoint-every-seconds", "1")
+    # Run builds [*prefix, python, main.py, args]: give sh its positional arguments before the python command
+    run = launch(args, prefix=[*prefix, "sh", "-c", script, "sh", str(models), str(copy), str(kb)])
+    # the fault's moment, as far as it can be seen from outside: the first line saying the disk is full
+    deadline = run.t0 + START_SECONDS
+    while run.proc.poll() is None and not DISK_FULL.search(run.output()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    code = run.wait_exit(time.monotonic() + END_SECONDS)
+    assert code is not None, (f"the run did not end within {END_SECONDS:.0f} s of reporting a full disk (or within "
+                              f"{START_SECONDS:.0f} s); processes: {describe(run.processes())}{run.tail()}")
+    assert code != 97, f"mounting the tmpfs failed{run.tail()}"
+    left = run.leftovers(time.monotonic())
+    assert not left, f"processes left: {describe(left)}"
+    assert code == 1, f"exit {code}, expected 1{run.tail()}"
+    out = run.output()
+    assert TRACEBACK not in out, f"a traceback in the output{run.tail()}"
+    full = [line for line in out.splitlines() if DISK_FULL.search(line)]
+    assert full, f"no line says the disk is full{run.tail()}"
+    assert any(str(models) in line for line in full), f"the disk-full line does not name the path: {full}"
+    assert "stopped:" in run.stdout(), f"no 'stopped:' line{run.tail()}"
+    assert not temp_files(copy), f"temporary files left on the full disk: {temp_files(copy)}"
+    saved = load_saved(copy)
+    if expect_a_file:
+        assert saved, f"the first write should have fit, yet nothing is on disk: {sorted(os.listdir(copy))}"
+
+
+def test_full_disk_after_the_first_checkpoint(launch, tmp_path):
+    d = model_file_size()
+    full_disk_case(launch, tmp_path, int(4.5 * d), expect_a_file=True)  # one checkpoint and one .dat fit, no more
+
+
+@pytest.mark.slow
+def test_full_disk_from_the_start(launch, tmp_path):
+    full_disk_case(launch, tmp_path, model_file_size() // 2, expect_a_file=False)  # not even a .dat fits
+
+
+# --------------------------------------------------------------------------- 8. a worker's huge error
+def fault_env(fault: str, fired: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "A3G_FAULT": fault, "A3G_FAULT_FIRED": str(fired), "A3G_FAULT_AFTER": "2"}
+
+
+def worker_error_case(launch, tmp_path, fault: str):
+    fired = tmp_path / "fault_fired"
+    run = launch(train_args(tmp_path), env=fault_env(fault, fired))
+    run.poll_until(fired.exists, START_SECONDS, "the injected fault (the hook did not fire)", period=0.1)
+    t = time.monotonic()
+    check_end(run, t, {1}, traceback_ok=True)
+    out = run.output()
+    assert "injected fault" in out, f"the worker's error is not reported{run.tail()}"
+    if fault == "huge_error":
+        assert "xxxxxxxxxx" in out, run.tail()
+    load_saved(models_dir(tmp_path))
+    no_stray_temp_files(launch, tmp_path)
+
+
+def test_a_huge_worker_error_does_not_hang_the_run(launch, tmp_path):
+    worker_error_case(launch, tmp_path, "huge_error")
+
+
+@pytest.mark.slow
+def test_a_short_worker_error_ends_the_run(launch, tmp_path):
+    worker_error_case(launch, tmp_path, "short_error")
+
+
+# ---------------------------------------------------------------------------------- 9. normal stops
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(5))
+def test_max_steps_is_a_clean_stop_every_time(launch, tmp_path, repeat):
+    run = launch(train_args(tmp_path, "--max-steps", "20", "--num-steps", "5", "--test-every-steps", "1000000000"))
+    code = run.wait_exit(run.t0 + START_SECONDS + END_SECONDS)
+    assert code is not None, f"a 20-step run did not end{run.tail()}"
+    left = run.leftovers(time.monotonic())
+    assert not left, f"processes left: {describe(left)}"
+    assert "exited unexpectedly" not in run.stdout(), run.tail()
+    assert code == 0, f"exit {code}{run.tail()}"
+    assert "stopped:" in run.stdout() and TRACEBACK not in run.output(), run.tail()
+    saved = load_saved(models_dir(tmp_path))
+    assert saved[CKPT]["global_steps"] >= 20
+    no_stray_temp_files(launch, tmp_path)
