@@ -17,6 +17,9 @@ Prints, in one run on this machine:
 6. the ratios: training / environment, training / (N x plain reference rate), training / plain training, and
    the plain reference step cost / this model's step cost.
 Runs vary by 15-25% on shared machines: compare the ratios within one run.
+
+The training processes write their logs, CSV and model (the monitor's ``<env>.dat``) to ``--out-dir``; by default
+that is a temporary folder, deleted at the end, so a benchmark leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -146,7 +150,7 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
     shared.share_memory()
     optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
-    run = RunState(ctx, args.workers, args.score_window)
+    run = RunState(args.workers, args.score_window)
     procs = launch(ctx, args, shared, optimizer, run)
     try:
         _wait_for_first_steps(lambda: run.global_steps.value, [p for _, p in procs])
@@ -361,7 +365,7 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def main(argv=None) -> int:
+def benchmark_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--env", default="PongNoFrameskip-v4")
     p.add_argument("--workers", type=int, default=os.cpu_count())
@@ -373,15 +377,28 @@ def main(argv=None) -> int:
     p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
     p.add_argument("--repeats", type=int, default=3, help="alternated rounds of the step-cost timings (median)")
     p.add_argument("--json", default=None, help="also write the results to this file")
-    opts = p.parse_args(argv)
-    torch.set_num_threads(1)
+    p.add_argument("--out-dir", default=None,
+                   help="folder for the training processes' logs, CSV and model (default: a temporary folder, "
+                        "deleted at the end)")
+    return p
 
+
+def main(argv=None) -> int:
+    opts = benchmark_parser().parse_args(argv)
+    if opts.out_dir is not None:
+        return run(opts, Path(opts.out_dir))
+    with tempfile.TemporaryDirectory(prefix="a3g-benchmark-") as tmp:
+        return run(opts, Path(tmp))
+
+
+def run(opts: argparse.Namespace, out_dir: Path) -> int:
+    """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
+    torch.set_num_threads(1)
     args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
                                       "--gpu-ids", *map(str, opts.gpu_ids),
-                                      "--log-dir", str(ROOT / "logs" / "benchmark"),
-                                      "--save-model-dir", str(ROOT / "logs" / "benchmark")])
+                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
     args.env_config = str(ROOT / "config.json")
-    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
     print(f"machine: {res['machine']}", flush=True)

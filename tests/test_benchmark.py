@@ -11,10 +11,12 @@ from conftest import ROOT, run_entry
 
 
 def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
-    out = tmp_path / "bench.json"
+    out, run_dir = tmp_path / "bench.json", tmp_path / "run"
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
-                     "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out), cwd=tmp_path, timeout=280)
+                     "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out),
+                     "--out-dir", str(run_dir), cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / "PongNoFrameskip-v4_log").is_file()  # the monitor's log, where it was told to write
     res = json.loads(out.read_text())
     for key in ("plain_step_ms", "plain_keep_freed_step_ms", "env_steps_per_s", "plain_training_steps_per_s"):
         assert res[key] > 0, key
@@ -34,6 +36,24 @@ def test_compile_benchmark_runs_and_the_compiled_forward_matches(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     diff = float(re.search(r"max \|logit difference\| (\S+)", proc.stdout).group(1))
     assert diff < 1e-5 and "eager/compiled" in proc.stdout
+
+
+def test_by_default_the_training_processes_write_into_a_temporary_folder_deleted_at_the_end(tmp_path,
+                                                                                             monkeypatch):
+    bench = load_benchmark()
+    folders = []
+
+    def run(opts, out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "PongNoFrameskip-v4.dat").write_bytes(b"a model")
+        folders.append(out_dir)
+        return 0
+
+    monkeypatch.setattr(bench, "run", run)
+    assert bench.main([]) == 0
+    assert not folders[0].exists() and ROOT not in folders[0].parents
+    assert bench.main(["--out-dir", str(tmp_path / "kept")]) == 0
+    assert folders[1] == tmp_path / "kept" and (tmp_path / "kept/PongNoFrameskip-v4.dat").read_bytes() == b"a model"
 
 
 def load_benchmark():
