@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from config import build_parser
+from conftest import always_noop_model
 from environment import atari_env, load_env_config
 from model import A3Clstm
 from player_util import (Agent, GradientHandoff, play_game, rollout_loss, stepwise_rollout_loss,
@@ -215,21 +216,11 @@ class _ActionLog(gymnasium.Wrapper):
         return out
 
 
-def _always_noop_model(n_actions, hidden=16):
-    """Greedy action 0 (NOOP, which never relaunches Breakout's ball) and an LSTM state that grows from zero."""
-    m = A3Clstm(1, n_actions, hidden)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.zero_()
-        m.lstm.bias_ih[2 * hidden: 3 * hidden] = 1.0  # g = tanh(1): the cell state, hence hx, becomes non-zero
-        m.actor_linear.bias[0] = 5.0
-    return m
-
 
 def test_a_lost_life_restarts_as_in_training_so_breakout_does_not_stall():
     env = _ActionLog(atari_env("BreakoutNoFrameskip-v4", load_env_config("config.json", "BreakoutNoFrameskip-v4"),
                                max_episode_length=5000, episodic_life=False))
-    spy = _Spy(_always_noop_model(env.action_space.n))
+    spy = _Spy(always_noop_model(env.action_space.n))
     score, length, finished = play_game(spy, env, CPU, seed=0)
     assert finished and env.unwrapped.ale.lives() == 0  # game over, not the time limit
     assert length == len(env.actions) < 5000
@@ -247,7 +238,7 @@ def test_a_lost_life_restarts_as_in_training_so_breakout_does_not_stall():
 def test_pong_games_have_no_restarts():
     env = _ActionLog(atari_env("PongNoFrameskip-v4", load_env_config("config.json", "PongNoFrameskip-v4"),
                                max_episode_length=300, episodic_life=False))
-    spy = _Spy(_always_noop_model(env.action_space.n))
+    spy = _Spy(always_noop_model(env.action_space.n))
     _, length, finished = play_game(spy, env, CPU, seed=0)
     assert finished and length == 300 - 2  # the time limit (the FIRE reset took 2 steps); no lives in Pong
     assert set(env.actions) == {0} and sum(n == 0 for n in spy.hx_norms) == 1
@@ -257,7 +248,7 @@ def test_the_learners_lstm_state_is_zeroed_after_a_lost_life_and_the_game_goes_o
     torch.manual_seed(0)
     env = atari_env("BreakoutNoFrameskip-v4", load_env_config("config.json", "BreakoutNoFrameskip-v4"),
                     episodic_life=True)
-    agent = Agent(_always_noop_model(env.action_space.n), env, CPU, seed=0)  # NOOP (mostly): the ball is lost
+    agent = Agent(always_noop_model(env.action_space.n), env, CPU, seed=0)  # NOOP (mostly): the ball is lost
     ale = env.unwrapped.ale
     rollouts = []
     for _ in range(100):

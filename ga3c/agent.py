@@ -1,0 +1,209 @@
+"""The GA3C agent: a process that only steps environments, K of them (``envs_per_agent``), through env slots.
+
+An agent never runs the model. For each of its env slots it posts the current observation as a request
+(``buffers.EnvSlots.submit``), and when the predictor's answer is there it steps that environment with the
+action and posts the next request, carrying the step's clipped reward and how it ended. With several
+environments per process the agent steps one while the predictor works on the others' requests, so the agent
+process count (and its memory) need not grow with the number of environments.
+
+Episode ends follow the A3C worker (``player_util.Agent``): learner envs are built with ``episodic_life=True``,
+so a lost life *terminates* the learner's episode (bootstrap 0, a fresh LSTM state: the next request is flagged
+``episode_start``) while the game goes on; a time limit *truncates* it: the agent first posts the last
+observation as a ``final`` request (the predictor needs V of it to bootstrap), then the reset observation.
+Rewards are clipped to [-1, 1] for learning; the unclipped score and the agent steps of each whole game (all
+lives) go to the ``EpisodeLog``, and every step is counted exactly once in ``Ga3cCounters``.
+
+Waiting polls the response counters with a short, growing sleep (``buffers.Backoff``): an idle agent costs
+almost nothing, and a dead predictor never blocks it past ``stop``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ga3c.buffers import Backoff, EnvSlots
+
+
+@dataclass(frozen=True)
+class AtariEnvFactory:
+    """Builds a learner's environment for an env slot with ``environment.atari_env`` (``episodic_life=True``).
+    Picklable, so it can be handed to a spawned agent process."""
+
+    env_id: str
+    env_config: str | Path
+    max_episode_length: int = 10000
+    skip_rate: int = 4
+    seed: int | None = None  # env slot s is seeded with seed + s
+
+    def __call__(self, slot: int):
+        from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
+        env = atari_env(self.env_id, load_env_config(self.env_config, self.env_id),
+                        max_episode_length=self.max_episode_length, skip_rate=self.skip_rate, episodic_life=True)
+        if self.seed is not None:
+            env.action_space.seed(self.seed + slot)
+        return env
+
+    def seed_for(self, slot: int) -> int | None:
+        return None if self.seed is None else self.seed + slot
+
+
+def find_normalizer(env):
+    """The ``NormalizeFrame`` layer of ``env``'s wrapper stack, or None (a test's fake env has none)."""
+    environment = sys.modules.get("environment")  # not imported: no env here can be a NormalizeFrame
+    if environment is None:
+        return None
+    e = env
+    while e is not None:
+        if isinstance(e, environment.NormalizeFrame):
+            return e
+        e = getattr(e, "env", None)
+    return None
+
+
+class EnvRunner:
+    """One env slot: its environment and the request it has in flight (see the module docstring)."""
+
+    def __init__(self, slot: int, env, buffers: EnvSlots, seed: int | None = None):
+        self.slot = slot
+        self.env = env
+        self.buffers = buffers
+        self.seed = seed
+        self.seq = 0
+        self.awaiting_final = False
+        self.score = 0.0
+        self.length = 0
+        self.norm = find_normalizer(env)
+        if self.norm is not None:
+            mean, std, count = buffers.norm_stats[slot].tolist()
+            if count > 0:  # a resumed run: continue from the saved statistics
+                self.norm.set_stats(mean, std, int(count))
+
+    def _reset(self):
+        if self.seed is not None:
+            obs, _ = self.env.reset(seed=self.seed)
+            self.seed = None
+        else:
+            obs, _ = self.env.reset()
+        return obs
+
+    def begin(self) -> None:
+        """Reset the environment and post its first observation. A slot taken over from a dead agent continues
+        its sequence numbers; ``episode_start`` makes the predictor drop the dead agent's unfinished segment."""
+        self.seq = self.buffers.submit(self.slot, self._reset(), episode_start=True)
+
+    def answered(self) -> bool:
+        return int(self.buffers.resp_seq[self.slot]) == self.seq
+
+    def on_response(self) -> tuple[int, tuple[float, int] | None]:
+        """Act on the answer and post the next request. Returns ``(agent steps taken (0 or 1), the finished game's
+        (score, length) or None)``."""
+        if self.awaiting_final:  # the answer to a ``final`` request: no action to take, start the next episode
+            self.awaiting_final = False
+            self.seq = self.buffers.submit(self.slot, self._reset(), episode_start=True)
+            return 0, None
+        action = int(self.buffers.action[self.slot])
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.score += float(reward)
+        self.length += 1
+        clipped = max(-1.0, min(1.0, float(reward)))
+        finished = None
+        if info.get("game_over", terminated or truncated):
+            finished = (self.score, self.length)
+            self.score, self.length = 0.0, 0
+            self.save_norm_stats()
+        if terminated:
+            self.seq = self.buffers.submit(self.slot, self._reset(), reward=clipped, terminated=True,
+                                           episode_start=True)
+        elif truncated:
+            self.seq = self.buffers.submit(self.slot, obs, reward=clipped, truncated=True, final=True)
+            self.awaiting_final = True
+        else:
+            self.seq = self.buffers.submit(self.slot, obs, reward=clipped)
+        return 1, finished
+
+    def save_norm_stats(self) -> None:
+        if self.norm is not None:
+            self.buffers.norm_stats[self.slot] = torch.tensor(self.norm.get_stats(), dtype=torch.float64)
+
+
+class AgentStepper:
+    """The K env runners of one agent process; ``poll()`` acts on every answered slot once."""
+
+    def __init__(self, agent_id: int, runners: list[EnvRunner], buffers: EnvSlots, counters=None, episodes=None):
+        self.agent_id = agent_id
+        self.runners = runners
+        self.buffers = buffers
+        self.counters = counters
+        self.episodes = episodes
+        self._slots_np = np.array([r.slot for r in runners], dtype=np.int64)
+        self.steps = 0
+        self.games = 0
+
+    def begin(self) -> None:
+        for r in self.runners:
+            r.begin()
+
+    def poll(self) -> int:
+        """Handle every slot whose answer has arrived; returns how many were handled.
+
+        The check reads the response counters through a NumPy view of the shared tensor (a few microseconds;
+        torch's per-call overhead would make an idle agent's polling cost several percent of a core)."""
+        resp = self.buffers.resp_seq.numpy()[self._slots_np]
+        expected = np.fromiter((r.seq for r in self.runners), dtype=np.int64, count=len(self.runners))
+        ready = np.flatnonzero(resp == expected).tolist()
+        steps = 0
+        for i in ready:
+            n, finished = self.runners[i].on_response()
+            steps += n
+            if finished is not None:
+                self.games += 1
+                if self.episodes is not None:
+                    self.episodes.record(self.agent_id, *finished)
+        if steps:
+            self.steps += steps
+            if self.counters is not None:
+                self.counters.add_steps(self.agent_id, steps)
+        return len(ready)
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.save_norm_stats()
+            r.env.close()
+
+
+def run_agent(agent_id: int, slots, buffers: EnvSlots, make_env, stop, *, counters=None, episodes=None,
+              seed: int | None = None, max_steps: int | None = None) -> int:
+    """The agent loop: step the environments ``make_env(slot)`` of ``slots`` until ``stop.is_set()`` (or
+    ``max_steps`` agent steps). Slot s's first reset is seeded with ``seed + s``. Returns the steps taken."""
+    runners = [EnvRunner(s, make_env(s), buffers, None if seed is None else seed + s) for s in slots]
+    stepper = AgentStepper(agent_id, runners, buffers, counters, episodes)
+    try:
+        stepper.begin()
+        backoff = Backoff()
+        while not stop.is_set() and (max_steps is None or stepper.steps < max_steps):
+            if stepper.poll():
+                backoff.reset()
+            else:
+                backoff.wait()
+    finally:
+        stepper.close()
+    return stepper.steps
+
+
+def agent_process(agent_id: int, slots, buffers: EnvSlots, make_env, stop, counters=None, episodes=None,
+                  seed: int | None = None, errors=None, error_slot: int | None = None) -> None:
+    """Process entry point of agent ``agent_id``: set the process up (``utils.setup_child_process``), run the
+    loop, and report a failure to ``errors`` (an ``ErrorBoard``) before exiting non-zero."""
+    from utils import describe_failure, setup_child_process
+    setup_child_process(f"ga3c agent {agent_id}")
+    try:
+        run_agent(agent_id, slots, buffers, make_env, stop, counters=counters, episodes=episodes, seed=seed)
+    except BaseException as e:
+        if errors is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            errors.report(agent_id if error_slot is None else error_slot, f"ga3c agent {agent_id}",
+                          describe_failure(e))
+        raise SystemExit(1)

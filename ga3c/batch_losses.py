@@ -1,0 +1,125 @@
+"""The A3C loss of a batch of segments at once, optionally with truncated importance weights. Pure tensor math.
+
+A batch holds B segments of lengths ``L_b <= T`` (a segment is shorter when its episode ended inside it). The
+per-step tensors are *flat* and segment-major, ``(S,)`` with ``S = sum L_b``: segment 0's steps, then segment
+1's, ... ; ``padded``/``flat_index`` convert to ``(B, T)`` with zeros after each segment's end (the masked steps
+contribute exactly nothing).
+
+The loss of the batch is the *sum* of each segment's A3C loss (``losses.a3c_loss``: sums over steps, not means),
+so the gradient of one batched step equals the sum of the per-segment gradients (tested). Returns and GAE run
+per segment (``R_L`` = its bootstrap: 0 after a termination, V(s_L) after a cut or a truncation).
+
+Policy lag (GA3C): a segment may be trained by weights several updates newer than those that acted. With
+``is_clip`` the policy-gradient term of each step is weighted by ``w = min(pi(a)/mu(a), is_clip)`` (detached),
+``mu`` the behaviour probability recorded when acting (tensorpack's truncated importance sampling, clip 10 there;
+the value and entropy terms are unweighted). ``is_clip=None`` is plain GA3C and exactly the repo's A3C loss.
+"""
+from __future__ import annotations
+
+import torch
+
+from losses import A3CLoss, a3c_loss, discounted_returns, entropy, gae_advantages, policy_loss, value_loss
+
+
+def flat_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch_index, time_index)``, each ``(S,)``: where each flat step sits in the ``(B, T)`` padding."""
+    lengths = lengths.to(torch.int64).cpu()
+    b = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    t = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
+    return b, t
+
+
+def padded(flat: torch.Tensor, lengths: torch.Tensor, index=None) -> torch.Tensor:
+    """``(S, ...) -> (B, T, ...)``, zeros after each segment's end; differentiable."""
+    b, t = flat_index(lengths) if index is None else index
+    out = flat.new_zeros((lengths.numel(), int(lengths.max()), *flat.shape[1:]))
+    return out.index_put((b.to(flat.device), t.to(flat.device)), flat)
+
+
+def batched_returns_advantages(rewards: torch.Tensor, values: torch.Tensor, bootstrap: torch.Tensor,
+                               lengths: torch.Tensor, gamma: float, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """n-step returns and GAE of each segment: ``(B, T)`` padded inputs and outputs, ``bootstrap (B,)``.
+
+    The same recursions as ``losses.discounted_returns`` and ``losses.gae_advantages`` (same float operations in
+    the same order), run over the B segments at once; padded steps are 0. ``values`` are constants.
+    """
+    values = values.detach()
+    rewards = rewards.detach().to(values.dtype)
+    bootstrap = bootstrap.to(values.dtype)
+    lengths = lengths.to(values.device)
+    n_seg, steps = rewards.shape
+    returns = torch.zeros_like(rewards)
+    adv = torch.zeros_like(rewards)
+    run_r = torch.zeros(n_seg, dtype=values.dtype, device=values.device)
+    run_a = torch.zeros_like(run_r)
+    zero = torch.zeros_like(run_r)
+    for t in range(steps - 1, -1, -1):
+        valid = t < lengths
+        last = t == lengths - 1
+        next_r = torch.where(last, bootstrap, run_r)
+        next_v = torch.where(last, bootstrap, values[:, t + 1] if t + 1 < steps else bootstrap)
+        r = rewards[:, t] + gamma * next_r
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * tau * torch.where(last, zero, run_a)
+        run_r = torch.where(valid, r, zero)
+        run_a = torch.where(valid, a, zero)
+        returns[:, t] = run_r
+        adv[:, t] = run_a
+    return returns, adv
+
+
+def importance_weights(log_probs_taken: torch.Tensor, mu: torch.Tensor, is_clip: float) -> torch.Tensor:
+    """``min(pi(a)/mu(a), is_clip)``, detached; ``(S,) -> (S,)``. A behaviour probability of 0 gives ``is_clip``."""
+    ratio = torch.exp(log_probs_taken.detach() - torch.log(mu.to(log_probs_taken.dtype)))
+    return ratio.clamp(max=is_clip)
+
+
+def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
+                 bootstrap: float, *, mu: torch.Tensor | None = None, is_clip: float | None = None, gamma: float,
+                 tau: float, entropy_coef: float, value_coef: float) -> A3CLoss:
+    """One segment's loss, the reference the batched loss is tested against.
+
+    ``is_clip=None``: exactly ``losses.a3c_loss``. Otherwise the same terms with the policy-gradient term of step
+    i weighted by ``importance_weights``: ``-sum_i w_i log pi(a_i) A_i``.
+    """
+    if is_clip is None:
+        return a3c_loss(logits, values, actions, rewards, bootstrap, gamma=gamma, tau=tau,
+                        entropy_coef=entropy_coef, value_coef=value_coef)
+    rewards = rewards.to(values.dtype)
+    returns = discounted_returns(rewards.detach().cpu(), bootstrap, gamma).to(values.device)
+    adv = gae_advantages(rewards.detach().cpu(), values.detach().cpu(), bootstrap, gamma, tau).to(values.device)
+    taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
+    w = importance_weights(taken, mu.to(values.device), is_clip)
+    ent = entropy(logits).sum()
+    p_loss = policy_loss(taken, adv * w)
+    v_loss = value_loss(values, returns)
+    return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent)
+
+
+def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
+                     bootstrap: torch.Tensor, lengths: torch.Tensor, *, mu: torch.Tensor | None = None,
+                     is_clip: float | None = None, gamma: float, tau: float, entropy_coef: float,
+                     value_coef: float) -> tuple[A3CLoss, torch.Tensor | None]:
+    """The sum over segments of ``segment_loss``, computed at once.
+
+    Flat segment-major ``logits (S, A)``, ``values (S,)``, ``actions (S,)``, ``rewards (S,)``, ``mu (S,)``;
+    per segment ``bootstrap (B,)`` and ``lengths (B,)``. Returns the loss terms (each summed over all steps of
+    all segments) and the importance weights ``(S,)`` (None when ``is_clip`` is None).
+    """
+    index = flat_index(lengths)
+    b, t = index
+    ret_pad, adv_pad = batched_returns_advantages(padded(rewards.to(values.dtype), lengths, index),
+                                                  padded(values.detach(), lengths, index),
+                                                  bootstrap.to(values.device), lengths, gamma, tau)
+    dev_b, dev_t = b.to(values.device), t.to(values.device)
+    returns, adv = ret_pad[dev_b, dev_t], adv_pad[dev_b, dev_t]
+    taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
+    w = None
+    if is_clip is not None:
+        w = importance_weights(taken, mu.to(values.device), is_clip)
+        adv = adv * w
+    ent = entropy(logits).sum()
+    p_loss = policy_loss(taken, adv)
+    v_loss = value_loss(values, returns)
+    return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent), w

@@ -1,0 +1,187 @@
+"""The predictor: one batched LSTM forward for every waiting env slot, each action routed back to its slot.
+
+Each step takes the requests waiting in the slots this predictor owns, up to ``predict_batch`` of them (starting
+after the last slot served, so no slot starves when more are waiting), and runs ``A3Clstm.forward`` once on
+``(B, 1, 80, 80)`` with the per-slot LSTM states gathered into ``(B, H)``. A batched forward equals stepping
+each env alone at batch 1 (tested). It then samples each action from its softmax, answers each slot with the
+action, its probability ``mu`` under the acting policy and the model version (updates so far), and scatters the
+new states back. Slots not in the batch keep their state.
+
+The LSTM state of every slot lives here, not in the agent: the agent never runs the model. A request flagged
+``episode_start`` (a reset, after a game over, a time limit or, for learners, a lost life) zeroes its slot's
+state before the forward, as the A3C worker does at every episode end.
+
+The predictor also assembles each slot's transitions into ``Segment`` s (see ``segment``) and hands each closed
+segment to ``sink`` (a ``queue.Queue`` read by the trainers in this process).
+
+Several predictors may run (threads), each owning a disjoint set of slots; they share the state tensors, each
+writing only its own slots' rows. With ``source`` the predictor acts with a private ``model`` (e.g. channels-last,
+or on another device) and copies ``source``'s weights into it whenever the version moved.
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+
+from ga3c.buffers import Backoff, EnvSlots
+from ga3c.segment import Segment, SegmentBuilder
+from player_util import sync_weights
+
+
+class SlotStates:
+    """The LSTM state ``(hx, cx)`` of every env slot, each ``(N, H)`` on ``device``."""
+
+    def __init__(self, num_slots: int, hidden_size: int, device: torch.device | str = "cpu"):
+        self.hx = torch.zeros(num_slots, hidden_size, device=device)
+        self.cx = torch.zeros(num_slots, hidden_size, device=device)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.hx[slots] = 0.0
+        self.cx[slots] = 0.0
+
+    def get(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hx[slots], self.cx[slots]
+
+    def put(self, slots: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.hx[slots] = state[0]
+        self.cx[slots] = state[1]
+
+
+@dataclass
+class PredictionBatch:
+    """What one predictor step did: the slots served, in order, and the model's outputs for them."""
+
+    slots: torch.Tensor
+    values: torch.Tensor
+    logits: torch.Tensor
+    actions: torch.Tensor
+    version: int
+
+
+class Predictor:
+    """Serves the env ``slots`` it owns (see the module docstring).
+
+    ``counters`` (``Ga3cCounters``) gives the model version (its update count) stamped on every action, and
+    counts this predictor's predictions in its slot ``index``; ``sink(segment)`` receives closed segments
+    (``None``: segments are not kept, e.g. evaluation). With ``source``, ``model`` is a private copy refreshed
+    from ``source`` whenever ``counters.version`` moved (so ``source`` needs ``counters``).
+    """
+
+    def __init__(self, model, buffers: EnvSlots, slots, states: SlotStates, *, num_steps: int,
+                 predict_batch: int, counters=None, index: int = 0, sink=None,
+                 device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False):
+        self.model = model
+        self.buffers = buffers
+        self.slots = torch.as_tensor(list(slots), dtype=torch.int64)
+        self.states = states
+        self.num_steps = num_steps
+        self.predict_batch = predict_batch
+        self.counters = counters
+        self.index = index
+        self.sink = sink
+        self.device = torch.device(device)
+        self.source = source
+        self.greedy = greedy
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.open: dict[int, SegmentBuilder] = {}
+        self._next = 0  # round-robin start, an index into self.slots
+        self._synced = -1
+        self.predictions = 0
+
+    def _take(self) -> torch.Tensor:
+        """The waiting slots, at most ``predict_batch``, starting after the last one served."""
+        n = self.slots.numel()
+        order = torch.cat([self.slots[self._next:], self.slots[: self._next]])
+        waiting = self.buffers.waiting(order)[: self.predict_batch]
+        if waiting.numel():
+            last = int((self.slots == waiting[-1]).nonzero()[0, 0])
+            self._next = (last + 1) % n
+        return waiting
+
+    @torch.no_grad()
+    def step(self) -> PredictionBatch | None:
+        """Serve the waiting requests (one batched forward); None when nothing was waiting."""
+        slots = self._take()
+        if slots.numel() == 0:
+            return None
+        req = self.buffers.read_requests(slots)
+        version = self.counters.version if self.counters is not None else 0
+        if self.source is not None and version != self._synced:
+            sync_weights(self.model, self.source)
+            self._synced = version
+        dev_slots = slots.to(self.device)
+        starts = req["episode_start"]
+        if bool(starts.any()):
+            self.states.reset(dev_slots[starts.to(self.device)])
+        state = self.states.get(dev_slots)
+        value, logits, new_state = self.model(req["obs"].to(self.device), state)
+        self.states.put(dev_slots, new_state)
+        probs = F.softmax(logits, dim=1)
+        if self.greedy:
+            actions = logits.argmax(1)
+        else:
+            actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        mu = probs.gather(1, actions.unsqueeze(1)).squeeze(1)
+        self.buffers.respond(slots, req["seq"], actions, mu, version)
+        self.predictions += slots.numel()
+        if self.counters is not None:
+            self.counters.add_predictions(self.index, slots.numel())
+        if self.sink is not None:
+            self._record(slots, req, state, value.squeeze(1).cpu(), actions.cpu(), mu.cpu(), version)
+        return PredictionBatch(slots, value.squeeze(1), logits, actions, version)
+
+    def _record(self, slots, req, state, values, actions, mu, version) -> None:
+        """Segment bookkeeping for the served slots: the previous step's outcome, closing, the new step."""
+        rewards, term, trunc = req["reward"].tolist(), req["terminated"].tolist(), req["truncated"].tolist()
+        starts, final = req["episode_start"].tolist(), req["final"].tolist()
+        for j, slot in enumerate(slots.tolist()):
+            seg = self.open.get(slot)
+            if seg is not None and seg.pending:
+                if term[j] or trunc[j]:
+                    seg.add_outcome(rewards[j])
+                    self.sink(seg.close(terminated=bool(term[j]), truncated=bool(trunc[j]) and not term[j],
+                                         bootstrap=float(values[j])))
+                    seg = None
+                elif starts[j]:  # a restarted agent: the last step's outcome will never come
+                    seg = None
+                else:
+                    seg.add_outcome(rewards[j])
+                    if len(seg) >= self.num_steps:
+                        self.sink(seg.close(terminated=False, truncated=False, bootstrap=float(values[j])))
+                        seg = None
+            if final[j]:  # only V(obs) was wanted, for the bootstrap above
+                self.open.pop(slot, None)
+                continue
+            if seg is None:
+                seg = SegmentBuilder(slot, (state[0][j: j + 1].cpu(), state[1][j: j + 1].cpu()))
+                self.open[slot] = seg
+            seg.add_step(req["obs"][j], int(actions[j]), float(mu[j]), version)
+
+    def run(self, stop, max_batches: int | None = None) -> int:
+        """Serve until ``stop.is_set()`` (or ``max_batches`` batches); returns the number of predictions made."""
+        backoff = Backoff()
+        batches = 0
+        while not stop.is_set() and (max_batches is None or batches < max_batches):
+            if self.step() is None:
+                backoff.wait()
+            else:
+                backoff.reset()
+                batches += 1
+        return self.predictions
+
+
+def queue_sink(q: "queue.Queue[Segment]", stop, poll: float = 0.05):
+    """A ``sink`` that puts segments on an in-process queue, waiting while it is full but never past ``stop``
+    (a full queue slows the predictor, and thereby the agents: back-pressure from the trainers)."""
+
+    def put(segment: Segment) -> None:
+        while not stop.is_set():
+            try:
+                q.put(segment, timeout=poll)
+                return
+            except queue.Full:
+                continue
+
+    return put

@@ -1,0 +1,37 @@
+"""The settings GA3C's pieces share, in one typed place, with the A3C flags they reuse."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Ga3cSettings:
+    """Hyperparameters of the GA3C predictors and trainers (the loss ones are the A3C worker's flags)."""
+
+    num_steps: int = 20  # transitions per segment (A3C's --num-steps; GA3C's TIME_MAX is 5)
+    predict_batch: int = 128  # most observations in one prediction batch (GA3C PREDICTION_BATCH_SIZE)
+    train_batch: int = 4  # segments per update (GA3C: 0 = one segment; authors recommend 20-40 transitions)
+    queue_size: int = 100  # closed segments waiting for a trainer (GA3C MAX_QUEUE_SIZE); full = back-pressure
+    gamma: float = 0.99
+    tau: float = 1.0  # GAE lambda
+    entropy_coef: float = 0.01
+    value_coef: float = 0.5
+    is_clip: float | None = None  # truncated importance weight min(pi/mu, is_clip); None = plain GA3C
+    max_grad_norm: float = 0.0  # 0 = no clipping (upstream A3G)
+
+    @classmethod
+    def from_args(cls, args) -> "Ga3cSettings":
+        """From a parsed namespace: each field its attribute of the same name when present, else the default."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def problems(self) -> list[str]:
+        """Every invalid value, one line each (empty when all is well)."""
+        checks = [
+            (self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps}"),
+            (self.predict_batch >= 1, f"predict_batch must be >= 1, got {self.predict_batch}"),
+            (self.train_batch >= 1, f"train_batch must be >= 1, got {self.train_batch}"),
+            (self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}"),
+            (self.is_clip is None or self.is_clip > 0, f"is_clip must be > 0 (or None = off), got {self.is_clip}"),
+            (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
+        ]
+        return [msg for ok, msg in checks if not ok]

@@ -1,0 +1,188 @@
+"""GA3C's loops on real ALE Pong with tiny budgets (hidden 32): every loop ends on the stop flag, idle or busy;
+the agent, predictor and trainer loops train the shared model in threads and with a spawned agent process next to
+the server's threads, with exact counts; one process stepping all three in turn is deterministic; an agent that
+fails reports its traceback."""
+import multiprocessing as mp
+import queue
+import threading
+import time
+
+import torch
+
+from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner, agent_process, run_agent
+from ga3c.buffers import EnvSlots
+from ga3c.predictor import Predictor, SlotStates, queue_sink
+from ga3c.server import Server
+from ga3c.settings import Ga3cSettings
+from ga3c.stats import EpisodeLog, Ga3cCounters
+from ga3c.trainer import Trainer
+from model import A3Clstm
+from run_state import ErrorBoard, Flag
+from shared_optim import make_optimizer
+
+ENV = "PongNoFrameskip-v4"
+H = 32
+SETTINGS = Ga3cSettings(num_steps=5, train_batch=2, predict_batch=8, queue_size=8)
+
+
+def shared_model(seed=0):
+    torch.manual_seed(seed)
+    model = A3Clstm(1, 6, H)
+    model.share_memory()
+    return model
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _stopped_later(seconds=0.3):
+    stop = Flag()
+    threading.Timer(seconds, stop.set).start()
+    return stop
+
+
+def test_every_loop_ends_on_the_stop_flag_even_when_idle():
+    buffers = EnvSlots(2)
+    pred = Predictor(A3Clstm(1, 6, 16), buffers, range(2), SlotStates(2, 16), num_steps=5, predict_batch=2)
+    trainer = Trainer(A3Clstm(1, 6, 16), torch.optim.SGD(A3Clstm(1, 6, 16).parameters(), lr=0.0), SETTINGS)
+    for loop in (lambda stop: pred.run(stop),  # no agent ever asks
+                 lambda stop: trainer.run(queue.Queue(), stop),  # no segment ever comes
+                 lambda stop: run_agent(0, [0, 1], EnvSlots(2), _StillEnvFactory(), stop)):  # no answer comes
+        t0 = time.monotonic()
+        assert loop(_stopped_later()) == 0
+        assert 0.25 < time.monotonic() - t0 < 3
+
+
+class _StillEnvFactory:
+    def __call__(self, slot):
+        return _StillEnv()
+
+
+class _StillEnv:
+    def reset(self, seed=None):
+        return torch.zeros(1, 80, 80).numpy(), {}
+
+    def close(self):
+        pass
+
+
+def test_agent_predictor_and_trainer_loops_train_in_threads(env_config):
+    model, stop = shared_model(), Flag()
+    before = weights(model)
+    buffers, counters, episodes = EnvSlots(2), Ga3cCounters(1, 1, 1), EpisodeLog(1)
+    segments = queue.Queue(maxsize=SETTINGS.queue_size)
+    pred = Predictor(model, buffers, range(2), SlotStates(2, H), num_steps=SETTINGS.num_steps,
+                     predict_batch=SETTINGS.predict_batch, counters=counters, sink=queue_sink(segments, stop))
+    trainer = Trainer(model, make_optimizer("Adam", model.parameters(), 1e-3), SETTINGS, counters=counters)
+    results = {}
+    threads = [
+        threading.Thread(target=lambda: results.update(agent=run_agent(
+            0, [0, 1], buffers, AtariEnvFactory(ENV, env_config, seed=1), stop, counters=counters,
+            episodes=episodes, seed=1))),
+        threading.Thread(target=lambda: results.update(pred=pred.run(stop))),
+    ]
+    for th in threads:
+        th.start()
+    try:
+        assert trainer.run(segments, stop, max_updates=3) == 3
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+    assert not any(th.is_alive() for th in threads)
+    assert counters.version == 3 and results["agent"] == counters.steps >= 3 * 2 * SETTINGS.num_steps
+    assert results["pred"] == counters.total_predictions
+    assert counters.steps <= counters.total_predictions <= counters.steps + 2  # Pong: no episode ended here
+    assert int(counters.trainer_stats[0, 1]) == 3 * SETTINGS.train_batch
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (buffers.norm_stats[:, 2] > 0).all()  # each env's normaliser statistics, for checkpoints
+
+
+def one_process_run(env_config, seed, iterations=30):
+    """Agent, predictor and trainer stepped in turn in one thread (a debugging mode)."""
+    model = shared_model(seed)
+    buffers, counters = EnvSlots(2), Ga3cCounters(1, 1, 1)
+    segments = []
+    pred = Predictor(model, buffers, range(2), SlotStates(2, H), num_steps=SETTINGS.num_steps,
+                     predict_batch=SETTINGS.predict_batch, counters=counters, sink=segments.append, seed=seed)
+    trainer = Trainer(model, make_optimizer("Adam", model.parameters(), 1e-3), SETTINGS, counters=counters)
+    factory = AtariEnvFactory(ENV, env_config, seed=seed)
+    stepper = AgentStepper(0, [EnvRunner(s, factory(s), buffers, factory.seed_for(s)) for s in range(2)], buffers,
+                           counters)
+    stepper.begin()
+    lags = []
+    for _ in range(iterations):
+        pred.step()
+        stepper.poll()
+        while len(segments) >= SETTINGS.train_batch:
+            lags.append(trainer.update(segments[: SETTINGS.train_batch]).lag_max)
+            del segments[: SETTINGS.train_batch]
+    stepper.close()
+    return weights(model), counters, lags
+
+
+def test_one_process_is_deterministic_and_measures_the_lag(env_config):
+    w1, c1, lags = one_process_run(env_config, seed=3)
+    w2, c2, _ = one_process_run(env_config, seed=3)
+    assert c1.version == c2.version >= 4 and c1.steps == c2.steps
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    # segments of 2 envs close together: the second update of a pair trains data acted one update earlier
+    assert lags[0] == 0 and max(lags) >= 1
+
+
+def test_a_spawned_agent_feeds_the_servers_threads(env_config):
+    ctx = mp.get_context("spawn")
+    model, stop = shared_model(), Flag()
+    before = weights(model)
+    n_envs = 3
+    buffers, counters, episodes, errors = EnvSlots(n_envs), Ga3cCounters(1, 2, 2), EpisodeLog(1), ErrorBoard(1)
+    optimizer = make_optimizer("Adam", model.parameters(), 1e-3)
+    server = Server(model, optimizer, buffers, counters, SETTINGS, stop, num_predictors=2, num_trainers=2)
+    p = ctx.Process(target=agent_process, args=(0, list(range(n_envs)), buffers,
+                                                AtariEnvFactory(ENV, env_config, seed=1), stop, counters, episodes,
+                                                1, errors, 0))
+    try:
+        server.start()
+        p.start()
+        deadline = time.monotonic() + 90
+        while counters.version < 4 and not stop.is_set():
+            assert time.monotonic() < deadline and p.is_alive(), errors.read_all()
+            time.sleep(0.05)
+        stop.set()
+        assert server.join(10)
+        p.join(10)
+        assert p.exitcode == 0
+    finally:
+        stop.set()
+        server.join(5)
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert server.failures == [] and errors.read_all() == []
+    assert counters.version >= 4
+    assert all(int(counters.predictions[i]) > 0 for i in range(2))  # both predictors served their slots
+    steps, preds = counters.steps, counters.total_predictions
+    assert steps <= preds <= steps + n_envs  # each answer is one agent step, a few still in flight
+    assert int(counters.trainer_stats[:, 0].sum()) <= steps
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (buffers.norm_stats[:, 2] > 0).all()  # written by the agent process on its way out
+
+
+def test_an_agent_that_fails_reports_its_traceback(env_config):
+    ctx = mp.get_context("spawn")
+    errors, stop = ErrorBoard(1), Flag()
+    p = ctx.Process(target=agent_process, args=(0, [0], EnvSlots(1), AtariEnvFactory("NoSuchGameNoFrameskip-v4",
+                                                                                        env_config), stop,
+                                                None, None, None, errors, 0))
+    p.start()
+    try:
+        role, text = errors.get(timeout=60)
+        p.join(30)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert p.exitcode == 1 and role == "ga3c agent 0"
+    assert "Traceback" in text and "unknown environment id 'NoSuchGameNoFrameskip-v4'" in text

@@ -1,0 +1,80 @@
+"""GA3C's counters, episode records, console line and results.txt: exact sums with a resumed base, the model
+version, the episode ring read without loss (and lost entries counted), upstream's line and file formats."""
+import re
+from datetime import datetime
+
+import pytest
+
+from ga3c.settings import Ga3cSettings
+from ga3c.stats import (ConsoleStats, Episode, EpisodeLog, Ga3cCounters, ResultsWriter, format_stats_line,
+                        results_line)
+
+LINE_RE = re.compile(r"^\[Time: +\d+\] \[Episode: +\d+ Score: +-?\d+\.\d{4}\] \[RScore: +-?\d+\.\d{4} RPPS: +\d+\] "
+                     r"\[PPS: +\d+ TPS: +\d+\] \[NT: +\d+ NP: +\d+ NA: +\d+\]$")
+
+
+def test_the_console_line_is_upstreams():
+    line = format_stats_line(125.9, 42, -21.0, -20.5, 1234.7, 987.2, 3.9, 2, 2, 32)
+    assert line == ("[Time:      125] [Episode:       42 Score:   -21.0000] [RScore:   -20.5000 RPPS:  1234] "
+                    "[PPS:   987 TPS:     3] [NT:  2 NP:  2 NA: 32]")
+    assert LINE_RE.match(line)
+
+
+def test_results_line_and_writer_append(tmp_path):
+    assert results_line(datetime(2024, 3, 5, 7, 8, 9), 21.0, 1654) == "2024-03-05 07:08:09, 21, 1654\n"
+    assert results_line(datetime(2024, 3, 5, 7, 8, 9), -20.0, 800) == "2024-03-05 07:08:09, -20, 800\n"
+    path = tmp_path / "run" / "results.txt"
+    for score in (3.0, 5.0):  # two runs: the second appends
+        with ResultsWriter(path) as w:
+            w.write(Episode(1_700_000_000.0, score, 100))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and all(re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d, -?\d+, \d+$", s) for s in lines)
+    assert lines[1].endswith(", 5, 100")
+    with pytest.raises(ValueError):
+        results_line(0.0, float("nan"), 1)
+
+
+def test_console_stats_rolling_window():
+    stats = ConsoleStats(start_time=1000.0, window=2)
+    stats.add(Episode(1010.0, 1.0, 100))
+    assert stats.line(1010.0, steps=500, updates=20, nt=1, np_=1, na=4) == format_stats_line(
+        10, 1, 1.0, 1.0, 100 / 10, 50, 2, 1, 1, 4)
+    stats.add(Episode(1020.0, 3.0, 300))
+    stats.add(Episode(1030.0, 5.0, 500))  # the first game leaves the window; RPPS counts from its end
+    line = stats.line(1040.0, steps=4000, updates=80, nt=2, np_=1, na=4)
+    assert line == format_stats_line(40, 3, 5.0, 4.0, 800 / 30, 100, 2, 2, 1, 4)
+
+
+def test_counters_are_exact_sums_and_the_version_is_the_update_count():
+    c = Ga3cCounters(max_agents=3, max_predictors=2, max_trainers=2)
+    c.restore(steps=1000, updates=10)  # a resumed run
+    c.add_steps(0, 5)
+    c.add_steps(2, 7)
+    c.add_predictions(1, 12)
+    for trainer in (0, 1, 1):
+        c.record_update(trainer, steps=20, segments=1, lag_mean=0.5, lag_max=1, policy=0.1, value=0.2,
+                        entropy=1.7, grad_norm=3.0)
+    assert c.steps == 1012 and c.total_predictions == 12 and c.version == 13
+    assert c.trainer_stats[1, 0].item() == 40 and c.trainer_stats[1, 6].item() == pytest.approx(1.7)
+    c.set_active(2, 1, 3)
+    assert c.active.tolist() == [2, 1, 3]
+
+
+def test_episode_log_reads_every_game_once_in_time_order():
+    log = EpisodeLog(max_agents=2, capacity=3)
+    log.record(1, 2.0, 20, when=5.0)
+    log.record(0, 1.0, 10, when=3.0)
+    assert log.read_new() == [Episode(3.0, 1.0, 10), Episode(5.0, 2.0, 20)]
+    assert log.read_new() == []
+    for k in range(5):  # more than the ring holds between two reads: the 2 oldest are lost, and counted
+        log.record(0, float(k), k, when=10.0 + k)
+    assert [e.score for e in log.read_new()] == [2.0, 3.0, 4.0] and log.lost == 2
+
+
+def test_settings_from_args_and_problems():
+    from argparse import Namespace
+    s = Ga3cSettings.from_args(Namespace(num_steps=7, gamma=0.9, workers=3, is_clip=None))
+    assert s.num_steps == 7 and s.gamma == 0.9 and s.train_batch == Ga3cSettings().train_batch
+    bad = Ga3cSettings(num_steps=0, train_batch=0, is_clip=-1.0).problems()
+    assert len(bad) == 3 and any("is_clip" in b for b in bad)
+    assert Ga3cSettings().problems() == []

@@ -1,0 +1,206 @@
+"""GA3C's batched training step against the repo's A3C, one segment at a time: the batched returns and GAE equal
+``losses``' per segment; the gradient of one batched step over segments of different lengths (a terminated one
+bootstrapped with 0, a truncated one with V) equals the sum of the per-segment gradients of ``A3Clstm.forward``
++ ``losses.a3c_loss``, with and without importance weights; the whole update through a channels-last working copy
+and the shared fused Adam equals torch's Adam on that summed gradient; the policy lag is measured."""
+import math
+
+import pytest
+import torch
+
+from ga3c.batch_losses import (batched_returns_advantages, flat_index, importance_weights, padded,
+                               segment_loss)
+from ga3c.segment import Segment
+from ga3c.settings import Ga3cSettings
+from ga3c.stats import Ga3cCounters
+from ga3c.trainer import Trainer, assemble, batch_loss, batched_unroll
+from losses import a3c_loss, discounted_returns, gae_advantages
+from model import A3Clstm
+from shared_optim import make_optimizer
+
+KW = dict(gamma=0.99, tau=0.92, entropy_coef=0.01, value_coef=0.5)
+H, A = 32, 6
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def close(a, b, rel=1e-4):
+    """Equal to float32 rounding: summing in another order (batched vs one segment at a time, channels-last vs
+    contiguous convolutions) moves each entry by about 1e-5 of the tensor's largest entry."""
+    return bool((a - b).abs().max() <= rel * b.abs().max() + 1e-7)
+
+
+def test_flat_index_and_padding():
+    lengths = torch.tensor([3, 1, 2])
+    b, tt = flat_index(lengths)
+    assert b.tolist() == [0, 0, 0, 1, 2, 2] and tt.tolist() == [0, 1, 2, 0, 0, 1]
+    p = padded(t(1, 2, 3, 4, 5, 6), lengths)
+    assert p.tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+
+
+def test_batched_returns_and_gae_equal_the_per_segment_functions():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 1, 3, 5, 2])
+    boots = t(0.0, 1.5, -0.7, 2.0, 0.0)
+    rewards = [torch.randn(int(n), generator=g) for n in lengths]
+    values = [torch.randn(int(n), generator=g) for n in lengths]
+    for gamma, tau in ((0.99, 1.0), (0.9, 0.5), (0.97, 0.0)):
+        ret, adv = batched_returns_advantages(padded(torch.cat(rewards), lengths), padded(torch.cat(values), lengths),
+                                              boots, lengths, gamma, tau)
+        for i, n in enumerate(lengths.tolist()):
+            # the same float operations in the same order: bit for bit
+            assert torch.equal(ret[i, :n], discounted_returns(rewards[i], float(boots[i]), gamma))
+            assert torch.equal(adv[i, :n], gae_advantages(rewards[i], values[i], float(boots[i]), gamma, tau))
+            assert not ret[i, n:].any() and not adv[i, n:].any()
+
+
+def test_batched_returns_hand_computed_terminated_and_truncated():
+    # segment 0 terminated after 2 steps with reward 1 on the terminal step: R = [gamma, 1]
+    # segment 1 truncated after 3 steps, no reward, V(s_3) = 5: R = [gamma^3 5, gamma^2 5, gamma 5]
+    lengths = torch.tensor([2, 3])
+    rewards = padded(t(0, 1, 0, 0, 0), lengths)
+    values = torch.zeros(2, 3)
+    ret, adv = batched_returns_advantages(rewards, values, t(0.0, 5.0), lengths, 0.9, 1.0)
+    assert torch.allclose(ret, torch.tensor([[0.9, 1.0, 0.0], [0.9 ** 3 * 5, 0.9 ** 2 * 5, 0.9 * 5]]))
+    assert torch.allclose(adv, ret)  # V = 0 and lambda = 1: advantage = return
+
+
+def test_segment_loss_without_weights_is_the_repos_a3c_loss_and_weights_clip():
+    g = torch.Generator().manual_seed(1)
+    logits, values = torch.randn(4, A, generator=g), torch.randn(4, generator=g)
+    actions, rewards = torch.tensor([0, 3, 5, 1]), t(0, 1, -1, 0)
+    ref = a3c_loss(logits, values, actions, rewards, 0.5, **KW)
+    assert all(torch.equal(a, b) for a, b in zip(segment_loss(logits, values, actions, rewards, 0.5, **KW), ref))
+    pi = torch.softmax(logits, 1).gather(1, actions.view(-1, 1)).squeeze(1)
+    on_policy = segment_loss(logits, values, actions, rewards, 0.5, mu=pi, is_clip=10.0, **KW)
+    assert on_policy.total.item() == pytest.approx(ref.total.item(), rel=1e-5)  # mu = pi: every weight is 1
+    log_pi = torch.log(t(0.5, 0.2, 0.9))
+    w = importance_weights(log_pi, t(0.25, 0.4, 0.0), is_clip=1.5)
+    assert torch.allclose(w, t(1.5, 0.5, 1.5))  # 2 clipped to 1.5, 0.5 kept, mu = 0 gives the clip
+
+
+def random_segments(lengths, ends, seed=0):
+    """Segments with random frames, non-zero initial states, behaviour probabilities and versions; ``ends``:
+    'cut' (bootstrap V), 'term' (bootstrap 0), 'trunc' (bootstrap V)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, end) in enumerate(zip(lengths, ends)):
+        out.append(Segment(
+            slot=i, frames=torch.randn(n, 1, 80, 80, generator=g),  # normalised frames
+            actions=torch.randint(0, A, (n,), generator=g), rewards=torch.randint(-1, 2, (n,), generator=g).float(),
+            mu=torch.rand(n, generator=g) * 0.3 + 0.02, versions=torch.randint(0, 4, (n,), generator=g),
+            state=(torch.randn(1, H, generator=g) * 0.3, torch.randn(1, H, generator=g) * 0.3),
+            terminated=end == "term", truncated=end == "trunc",
+            bootstrap=0.0 if end == "term" else float(torch.randn(1, generator=g))))
+    return out
+
+
+LENGTHS, ENDS = [5, 2, 5, 3], ["cut", "term", "cut", "trunc"]
+
+
+def per_segment_reference(model, segments, is_clip):
+    """The repo's A3C one segment at a time: batch-1 ``A3Clstm.forward`` per step, then the segment's loss
+    (``losses.a3c_loss`` without weights); the gradients accumulate over segments."""
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in segments:
+        hx, cx = s.state
+        values, logits = [], []
+        for i in range(len(s)):
+            v, lg, (hx, cx) = model(s.frames[i: i + 1], (hx, cx))
+            values.append(v.view(1))
+            logits.append(lg)
+        loss = segment_loss(torch.cat(logits), torch.cat(values), s.actions, s.rewards, s.bootstrap, mu=s.mu,
+                            is_clip=is_clip, **KW)
+        loss.total.backward()
+        total += loss.total.item()
+    return total, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("is_clip", [None, 1.2])
+def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip):
+    torch.manual_seed(0)
+    ref = A3Clstm(1, A, H)
+    segments = random_segments(LENGTHS, ENDS)
+    ref_total, ref_grads = per_segment_reference(ref, segments, is_clip)
+    fast = A3Clstm(1, A, H).channels_last()
+    fast.load_state_dict(ref.state_dict())
+    batch = assemble(segments)
+    assert batch.lengths.tolist() == LENGTHS and batch.bootstrap[1] == 0.0 and batch.num_steps == sum(LENGTHS)
+    loss, w = batch_loss(fast, batch, Ga3cSettings(is_clip=is_clip, **KW))
+    loss.total.backward()
+    assert loss.total.item() == pytest.approx(ref_total, rel=1e-4)
+    if is_clip is not None:
+        assert (w == is_clip).any() and (w < is_clip).any()  # some weights clipped, some not
+    for (name, p), g in zip(fast.named_parameters(), ref_grads):
+        assert close(p.grad, g), name
+
+
+def test_batched_unroll_equals_stepwise_forward():
+    torch.manual_seed(1)
+    model = A3Clstm(1, A, H)
+    segments = random_segments([4, 1, 3], ["cut", "term", "trunc"], seed=3)
+    values, logits = batched_unroll(model, assemble(segments))
+    k = 0
+    with torch.no_grad():
+        for s in segments:
+            hx, cx = s.state
+            for i in range(len(s)):
+                v, lg, (hx, cx) = model(s.frames[i: i + 1], (hx, cx))
+                assert torch.allclose(values[k], v.view(()), atol=1e-5)
+                assert torch.allclose(logits[k], lg[0], atol=1e-5)
+                k += 1
+
+
+def test_trainer_update_equals_torch_adam_on_the_summed_gradient():
+    """The trainer's working copy is channels-last and the shared model contiguous: the hand-off must give the
+    fused Adam gradients in its parameters' layout (``shared_optim.match_grad_layout``), on every update. The
+    reference sums the per-segment gradients on a channels-last copy too (channels-last and contiguous
+    convolutions round differently, and a near-tie in a max-pool then picks another input), then applies torch's
+    own Adam to them in the contiguous layout."""
+    torch.manual_seed(2)
+    shared = A3Clstm(1, A, H)
+    shared.share_memory()
+    ref = A3Clstm(1, A, H)
+    ref.load_state_dict(shared.state_dict())
+    ref_grad_model = A3Clstm(1, A, H).channels_last()
+    lr = 1e-3
+    opt = make_optimizer("Adam", shared.parameters(), lr)  # SharedAdam, fused
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr, eps=1e-3, foreach=False)
+    counters = Ga3cCounters(1, 1, 1)
+    trainer = Trainer(shared, opt, Ga3cSettings(**KW), counters=counters)
+    assert trainer.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    assert shared.conv2.weight.is_contiguous()
+    for u in range(3):
+        segments = random_segments(LENGTHS, ENDS, seed=10 + u)
+        ref_grad_model.load_state_dict(ref.state_dict())
+        _, grads = per_segment_reference(ref_grad_model, segments, None)
+        for q, g in zip(ref.parameters(), grads):
+            q.grad = g.contiguous()
+        ref_opt.step()
+        result = trainer.update(segments)
+        assert result.steps == sum(LENGTHS) and result.segments == len(LENGTHS)
+        for (name, p), q in zip(shared.named_parameters(), ref.parameters()):
+            # Adam moves every entry by about lr (a misapplied, permuted conv gradient is off by that much);
+            # the two agree to float rounding, ~1e-7
+            assert torch.allclose(p, q, atol=lr * 1e-3, rtol=0), f"update {u}: {name}"
+    assert counters.version == 3 and trainer.updates == 3
+
+
+def test_policy_lag_is_measured_per_batch():
+    shared = A3Clstm(1, A, H)
+    counters = Ga3cCounters(1, 1, 2)
+    counters.updates[1] = 7  # another trainer has made 7 updates: the model's version is 7
+    opt = torch.optim.SGD(shared.parameters(), lr=0.0)
+    trainer = Trainer(shared, opt, Ga3cSettings(**KW), index=0, counters=counters)
+    segments = random_segments([2, 3], ["cut", "term"])
+    segments[0].versions = torch.tensor([7, 6])
+    segments[1].versions = torch.tensor([3, 3, 4])
+    r = trainer.update(segments)
+    assert r.lag_max == 4 and r.lag_mean == pytest.approx((0 + 1 + 4 + 4 + 3) / 5)
+    row = dict(zip(("steps", "segments", "lag_mean", "lag_max"), counters.trainer_stats[0, :4].tolist()))
+    assert row == {"steps": 5, "segments": 2, "lag_mean": pytest.approx(2.4), "lag_max": 4}
+    assert counters.version == 8 and int(counters.updates[0]) == 1
+    assert math.isfinite(counters.trainer_stats[0, 4].item())
