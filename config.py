@@ -92,7 +92,50 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log a status line (steps/s, smoothed losses) this often (default: %(default)s)")
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,
                    help="write the full checkpoint this often (and always at the end) (default: %(default)s)")
+    add_ga3c_flags(p)
     return p
+
+
+def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
+    """GA3C mode (``--mode ga3c``): batched predictors and trainers next to one model, serving many agents.
+    Each flag names the GA3C ``Config.py`` key it replaces; the A3C flags above (``--num-steps`` = TIME_MAX,
+    ``--lr``, ``--gamma``, ...) apply to both modes."""
+    g = p.add_argument_group("GA3C mode (--mode ga3c)")
+    g.add_argument("--mode", default="a3g", choices=["a3g", "ga3c"],
+                   help="a3g: hogwild workers, each with its own model copy; ga3c: agents that only step "
+                        "environments, batched predictors and trainers next to one model (default: %(default)s)")
+    g.add_argument("--agents", type=int, default=None,
+                   help="agent processes, which only step environments (GA3C AGENTS; default: the number of CPU "
+                        "cores)")
+    g.add_argument("--envs-per-agent", type=int, default=8,
+                   help="environments stepped by each agent process (default: %(default)s)")
+    g.add_argument("--predictors", type=int, default=1,
+                   help="predictor threads: batched forward for every waiting observation (GA3C PREDICTORS; "
+                        "default: %(default)s)")
+    g.add_argument("--trainers", type=int, default=1,
+                   help="trainer threads: batched update over segments (GA3C TRAINERS; default: %(default)s)")
+    g.add_argument("--predict-batch", type=int, default=128,
+                   help="most observations in one forward (GA3C PREDICTION_BATCH_SIZE; default: %(default)s)")
+    g.add_argument("--train-batch", type=int, default=4,
+                   help="segments of --num-steps transitions per update (GA3C TRAINING_MIN_BATCH_SIZE counts "
+                        "transitions; default: %(default)s)")
+    g.add_argument("--queue-size", type=int, default=100,
+                   help="finished segments waiting for a trainer; a full queue slows the agents (GA3C "
+                        "MAX_QUEUE_SIZE; default: %(default)s)")
+    g.add_argument("--is-clip", type=float, default=0.0,
+                   help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
+                        "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")
+    g.add_argument("--dynamic", action=BoolFlag, default=False,
+                   help="adjust the numbers of trainers, predictors and agents by measured training throughput "
+                        "(GA3C DYNAMIC_SETTINGS), within --dynamic-max (default: off)")
+    g.add_argument("--dynamic-max", type=int, nargs=3, default=None, metavar=("NT", "NP", "NA"),
+                   help="upper bounds for --dynamic (lower bounds are 1); default: twice the starting "
+                        "--trainers, --predictors and --agents")
+    g.add_argument("--dynamic-seconds", type=float, default=20.0,
+                   help="--dynamic measures each setting this long (GA3C: 20 s) (default: %(default)s)")
+    g.add_argument("--sync-every", type=int, default=1,
+                   help="predictors copy the trained weights every this many updates (with two or more GPUs the "
+                        "first half trains and the second half predicts) (default: %(default)s)")
 
 
 def validate_common(args: argparse.Namespace) -> list[str]:
@@ -170,9 +213,32 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors += [msg for ok, msg in checks if not ok]
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
+    errors += validate_ga3c(args)
     errors += validate_gpu_ids(args.gpu_ids)
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
     errors += validate_dir(args.log_dir, "--log-dir")
+    return errors
+
+
+def validate_ga3c(args: argparse.Namespace) -> list[str]:
+    """Problems with the GA3C flags (checked in either mode, so a typo never waits for ``--mode ga3c``); fills in
+    the derived defaults of ``--agents`` and ``--dynamic-max``."""
+    if args.agents is None:
+        args.agents = os.cpu_count() or 1
+    errors = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+              for name in ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch",
+                           "queue_size", "sync_every") if getattr(args, name) < 1]
+    if args.is_clip < 0:
+        errors.append(f"--is-clip must be > 0 (or 0 = off), got {args.is_clip:g}")
+    if args.dynamic_seconds <= 0:
+        errors.append(f"--dynamic-seconds must be > 0, got {args.dynamic_seconds:g}")
+    if args.dynamic_max is None:
+        args.dynamic_max = [2 * max(1, args.trainers), 2 * max(1, args.predictors), 2 * max(1, args.agents)]
+    else:
+        for name, bound, start in zip(("trainers", "predictors", "agents"), args.dynamic_max,
+                                      (args.trainers, args.predictors, args.agents)):
+            if bound < start:
+                errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
     return errors
 
 

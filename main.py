@@ -91,8 +91,10 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     return shlex.join(["python", script, *out, "--load"])
 
 
-def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed: float) -> Path:
-    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot."""
+def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed: float,
+                    extra: dict | None = None) -> Path:
+    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot.
+    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's."""
     path = checkpoint_path(args.save_model_dir, args.env)
     ckpt = {
         "format": CHECKPOINT_FORMAT,
@@ -105,6 +107,7 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunS
         "elapsed_seconds": float(elapsed),
         "config": config_dict(args),
         **run.snapshot(),
+        **(extra or {}),
     }
     atomic_save(ckpt, path)
     return path
@@ -128,16 +131,71 @@ def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState
     return procs
 
 
-def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS) -> None:
+def a3g_slot(run: RunState, role: str) -> int:
+    """A3G's process slot of ``role`` (``worker r`` -> r, the monitor last)."""
+    return run.monitor_slot if role == "monitor" else int(role.rsplit(" ", 1)[1])
+
+
+class A3gRun:
+    """A3G mode: ``--workers`` hogwild workers and the monitor (process slots: worker r -> r, monitor last).
+    ``ga3c.run.Ga3cRun`` is its GA3C sibling; ``run_training`` drives either through these methods."""
+
+    name = "a3g"
+
+    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log):
+        self.args, self.shared_model, self.optimizer, self.log = args, shared_model, optimizer, log
+        self.run = RunState(args.workers, args.score_window)
+        self.procs: list[tuple[str, mp.Process]] = []
+        self._status_steps = None
+
+    def describe(self) -> str:
+        where = "CPU" if self.args.gpu_ids[0] < 0 else "GPUs " + str(self.args.gpu_ids)
+        return f"with {self.args.workers} workers on {where}"
+
+    def restore(self, ckpt: dict) -> None:
+        self.run.restore(ckpt)
+
+    def snapshot(self) -> dict:
+        return {}
+
+    def slot_of(self, role: str) -> int:
+        return a3g_slot(self.run, role)
+
+    def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
+        self.procs = launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset)
+        return self.procs
+
+    def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
+        """A worker ends on its own at the step budget."""
+        return process.exitcode == 0 and role.startswith("worker") and budget_reached
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def status(self, rate: float, span: float) -> tuple[str, dict]:
+        scalars = {"charts/train_steps_per_s": rate}
+        stats = self.run.update_stats
+        done = stats[:, 0] > 0
+        if bool(done.any()):
+            scalars.update({f"losses/{k}": v for k, v in zip(UPDATE_FIELDS[2:], stats[done].mean(0).tolist()[2:])})
+        return status_line(self.run, rate), scalars
+
+    def close(self) -> None:
+        pass
+
+
+def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS,
+             slot_of=None) -> None:
     """Stop every process through ``run.stop``. Those still starting up (not ``ready``: importing, building
     their env) have nothing to finish and are terminated at once; the others get ``wait`` seconds to end their
     update or game, then all that are still alive are terminated at once, and one second later killed: at most
     ``wait`` + 2 seconds in all."""
     run.stop.set()
-    slots = {f"worker {r}": r for r in range(run.workers)}
-    slots["monitor"] = run.monitor_slot
+    if slot_of is None:
+        def slot_of(role: str) -> int:
+            return a3g_slot(run, role)
     for role, p in procs:
-        if p.is_alive() and not run.ready[slots.get(role, 0)].item():
+        if p.is_alive() and not run.ready[slot_of(role)].item():
             p.terminate()
     for grace, action in ((wait, None), (1.0, "terminate"), (1.0, "kill")):
         alive = [p for _, p in procs if p.is_alive()]
@@ -166,26 +224,22 @@ def status_line(run: RunState, rate: float) -> str:
             f"grad-norm {f['grad_norm']:.2f}")
 
 
-def report_status(log, tb, run: RunState, rate: float) -> None:
+def report_status(log, tb, mode, steps: int, rate: float, span: float) -> None:
     """One status line in the training log and, with --tensorboard-logger, the same numbers in TensorBoard."""
-    log.info(status_line(run, rate))
+    line, scalars = mode.status(rate, span)
+    log.info(line)
     if tb is None:
         return
-    steps = run.global_steps.value
-    mean = run.update_stats[run.update_stats[:, 0] > 0].mean(0).tolist()
-    if mean:
-        for name, value in zip(UPDATE_FIELDS[2:], mean[2:]):
-            tb.add_scalar(f"losses/{name}", value, steps)
-    tb.add_scalar("charts/train_steps_per_s", rate, steps)
+    for name, value in scalars.items():
+        tb.add_scalar(name, value, steps)
     tb.flush()
 
 
-def exited_unexpectedly(procs: list[tuple[str, mp.Process]], budget_reached: bool) -> tuple[str, int] | None:
-    """The first process that ended on its own, unless it was a worker that stopped at the step budget."""
+def exited_unexpectedly(procs: list[tuple[str, mp.Process]], mode, budget_reached: bool) -> tuple[str, int] | None:
+    """The first process that ended on its own, unless its mode expected it (a worker that stopped at the step
+    budget, an agent that ``--dynamic`` retired)."""
     for role, p in procs:
-        if p.is_alive():
-            continue
-        if p.exitcode == 0 and role.startswith("worker") and budget_reached:
+        if p.is_alive() or mode.expected_exit(role, p, budget_reached):
             continue
         return role, p.exitcode
     return None
@@ -261,10 +315,15 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     optimizer = None
     if args.shared_optimizer:
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
-    run = RunState(args.workers, args.score_window)
+    if args.mode == "ga3c":
+        from ga3c.run import Ga3cRun
+        mode = Ga3cRun(args, shared_model, optimizer, log)
+    else:
+        mode = A3gRun(args, shared_model, optimizer, log)
+    run = mode.run
     elapsed_offset = 0.0
     if resume_ckpt is not None:
-        run.restore(resume_ckpt)
+        mode.restore(resume_ckpt)
         elapsed_offset = float(resume_ckpt.get("elapsed_seconds", 0.0))
         opt_state = resume_ckpt.get("optimizer")
         if optimizer is not None and opt_state is not None and resume_ckpt.get("optimizer_name") == args.optimizer:
@@ -284,8 +343,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     if resume_path is not None:
         log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
 
-    log.info(f"training {args.env} ({n_actions} actions) with {args.workers} workers on "
-             f"{'CPU' if args.gpu_ids[0] < 0 else 'GPUs ' + str(args.gpu_ids)}; stop at "
+    log.info(f"training {args.env} ({n_actions} actions) {mode.describe()}; stop at "
              + ", ".join(s for s in [
                  f"{args.max_steps:,} steps" if args.max_steps else "",
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
@@ -301,7 +359,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     status_steps = run.global_steps.value
     try:
         if stop.signal is None:
-            procs = launch(ctx, args, shared_model, optimizer, run, elapsed_offset)
+            procs = mode.launch(ctx, elapsed_offset)
         if args.tensorboard_logger and stop.signal is None:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
@@ -326,19 +384,20 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             if run.target_reached.is_set():
                 reason = f"reached --target-score {args.target_score:g}"
                 break
-            dead = exited_unexpectedly(ended, budget_reached)
+            mode.tick(now)
+            dead = exited_unexpectedly(ended, mode, budget_reached)
             if dead:
                 code, reason = 1, f"{dead[0]} exited unexpectedly (exit code {dead[1]})"
                 break
             if now - last_ckpt >= args.checkpoint_every_seconds:
                 try:
-                    save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start)
+                    save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start, mode.snapshot())
                 except CheckpointWriteError as e:
                     code, reason = 1, str(e)
                     break
                 last_ckpt = now
             if now - last_status >= args.status_every_seconds:
-                report_status(log, tb, run, (steps - status_steps) / (now - last_status))
+                report_status(log, tb, mode, steps, (steps - status_steps) / (now - last_status), now - last_status)
                 last_status, status_steps = now, steps
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -346,10 +405,11 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown below is bounded; let it finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        shutdown(procs, run)
+        shutdown(procs, run, slot_of=mode.slot_of)
+        mode.close()
         if procs:  # the last stretch's losses and speed, so that even a short run logs them once
-            span = time.time() - last_status
-            report_status(log, tb, run, (run.global_steps.value - status_steps) / max(span, 1e-9))
+            span = max(time.time() - last_status, 1e-9)
+            report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span)
         for role, text in run.errors.read_all():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
@@ -357,7 +417,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         ckpt_note = "nothing written (no process was started)"
         try:
             if procs:
-                ckpt = save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + elapsed)
+                ckpt = save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + elapsed, mode.snapshot())
                 if not args.save_max:
                     atomic_save(cpu_state_dict(shared_model), model_path(args.save_model_dir, args.env))
                 ckpt_note = f"checkpoint {ckpt}"

@@ -4,8 +4,9 @@
     python plot.py logs/ --out runs/all.png
     python plot.py runs/a/logs runs/b/logs/PongNoFrameskip-v4_monitor.csv --out runs/compare.svg --window 20
 
-Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth (one line per run). A curve is
-named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its format follows
+Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth (one line per run), or a GA3C
+``results.txt`` named as a file (the agents' training games: steps are the running sum of the games' lengths,
+time counts from the first game). A curve is named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its format follows
 the extension: PNG, SVG or PDF.
 """
 from __future__ import annotations
@@ -33,7 +34,32 @@ def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
     return paths, errors
 
 
+def read_results(path: Path) -> dict:
+    """GA3C's ``results.txt`` (``YYYY-MM-DD HH:MM:SS, score, length`` per game) as a curve."""
+    from datetime import datetime
+    steps, score, times = [], [], []
+    total = 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                when, value, length = (x.strip() for x in line.split(","))
+                times.append(datetime.strptime(when, "%Y-%m-%d %H:%M:%S").timestamp())
+                total += int(length)
+                steps.append(total)
+                score.append(float(value))
+            except ValueError:
+                raise ValueError(f"{path} line {n} is not a results.txt line (YYYY-MM-DD HH:MM:SS, score, "
+                                 f"length): {line.strip()[:80]!r}") from None
+    if not steps:
+        raise ValueError(f"{path} has no games")
+    return {"steps": steps, "score": score, "hours": [(t - times[0]) / 3600 for t in times]}
+
+
 def read_curve(path: Path) -> dict:
+    if path.name == "results.txt":
+        return read_results(path)
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     missing = {"global_steps", "score", "elapsed_s"} - set(rows[0].keys() if rows else [])
@@ -57,6 +83,10 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 def label_for(path: Path) -> tuple[str, str]:
     """(env id, run name): the run is the CSV's folder (``logs/<run>/<env>_monitor.csv``), or the folder above
     a ``logs`` folder (``runs/<run>/logs/<env>_monitor.csv``), by its real name (never ``.``)."""
+    if path.name == "results.txt":  # GA3C's: the env is not in the name; the run's folder is
+        folder = path.resolve().parent
+        run = folder.parent.name if folder.name == "logs" else folder.name
+        return run, f"{run} (training games)"
     env = path.name[: -len("_monitor.csv")] if path.name.endswith("_monitor.csv") else path.stem
     folder = path.resolve().parent
     run = folder.parent.name if folder.name == "logs" else folder.name

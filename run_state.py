@@ -53,6 +53,16 @@ class Flag:
         return True
 
 
+class AnyOf:
+    """A stop condition made of several flags (``Flag``, ``threading.Event``): ``is_set()`` when any one is."""
+
+    def __init__(self, *flags):
+        self.flags = flags
+
+    def is_set(self) -> bool:
+        return any(f.is_set() for f in self.flags)
+
+
 class StepCounter:
     """Global agent steps: one slot per worker (each written only by its worker) plus a base (resumed runs).
 
@@ -74,6 +84,11 @@ class StepCounter:
 
     def add(self, rank: int, steps: int) -> None:
         self._slots[rank] += steps
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The shared per-process slots, base last (GA3C's counters count agent steps into them)."""
+        return self._slots
 
 
 class ErrorBoard:
@@ -140,8 +155,9 @@ class RunState:
       ``add_steps(rank, n)`` counts a worker's steps.
     - ``stop``: set by the main process (stop condition, Ctrl-C, a dead process); every process checks it.
     - ``target_reached``: set by the monitor when the mean of its last ``score_window`` games reaches the target.
-    - ``norm_stats (workers + 1, 3)``: each process's frame-normalisation (mean, std, count); row ``workers`` is
-      the monitor's. Saved in checkpoints.
+    - ``norm_stats (norm_rows + 1, 3)``: each environment's frame-normalisation (mean, std, count), one row per
+      learner environment (``norm_rows``, default ``workers``: a worker's, or in GA3C mode an env slot's), and the
+      monitor's last (``monitor_norm``). Saved in checkpoints; a run restores it whatever its number of rows.
     - ``update_stats (workers, 6)``: per worker updates, steps and smoothed per-step losses (``UPDATE_FIELDS``).
     - ``monitor (3,)``: games played, sum of their scores, best score; ``recent (score_window,)`` last scores.
     - ``errors``: ``ErrorBoard`` with a slot per process (worker r: slot r; the monitor: slot ``workers``).
@@ -149,12 +165,13 @@ class RunState:
       has nothing to finish and is stopped at once (``main.shutdown``).
     """
 
-    def __init__(self, workers: int, score_window: int = 10):
+    def __init__(self, workers: int, score_window: int = 10, norm_rows: int | None = None):
         self.workers = workers
         self.global_steps = StepCounter(workers)
         self.stop = Flag()
         self.target_reached = Flag()
-        self.norm_stats = torch.zeros(workers + 1, 3, dtype=torch.float64).share_memory_()
+        rows = workers if norm_rows is None else norm_rows
+        self.norm_stats = torch.zeros(rows + 1, 3, dtype=torch.float64).share_memory_()
         self.update_stats = torch.zeros(workers, len(UPDATE_FIELDS), dtype=torch.float64).share_memory_()
         self.monitor = torch.tensor([0.0, 0.0, -math.inf], dtype=torch.float64).share_memory_()
         self.recent = torch.full((score_window,), math.nan, dtype=torch.float64).share_memory_()
@@ -164,6 +181,11 @@ class RunState:
     @property
     def monitor_slot(self) -> int:
         return self.workers
+
+    @property
+    def monitor_norm(self) -> int:
+        """The monitor's row of ``norm_stats`` (the last)."""
+        return self.norm_stats.shape[0] - 1
 
     def mark_ready(self, slot: int) -> None:
         self.ready[slot] = 1
@@ -211,11 +233,11 @@ class RunState:
         """Restore counters and statistics from a checkpoint, tolerating a different number of workers."""
         self.global_steps.value = int(ckpt.get("global_steps", 0))
         saved = ckpt.get("norm_stats")
-        if saved is not None and saved.shape[0] >= 2:
-            n_saved_workers = saved.shape[0] - 1
-            for r in range(self.workers):
-                self.norm_stats[r] = saved[r % n_saved_workers]
-            self.norm_stats[self.workers] = saved[-1]
+        if saved is not None and saved.shape[0] >= 2:  # learner rows round-robin (another mode or count), monitor last
+            n_saved = saved.shape[0] - 1
+            for r in range(self.monitor_norm):
+                self.norm_stats[r] = saved[r % n_saved]
+            self.norm_stats[self.monitor_norm] = saved[-1]
         if ckpt.get("monitor") is not None:
             self.monitor.copy_(ckpt["monitor"])
         games, n = int(self.monitor[0].item()), self.recent.numel()

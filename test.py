@@ -55,7 +55,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     """The monitor loop (see module docstring); returns when ``run.stop`` is set."""
     env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
                     skip_rate=args.skip_rate, episodic_life=False)
-    mean, std, count = run.norm_stats[run.workers].tolist()
+    mean, std, count = run.norm_stats[run.monitor_norm].tolist()
     if count > 0:
         normalizer(env).set_stats(mean, std, int(count))
     model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
@@ -105,7 +105,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 best_saved = max(best_saved, score)
                 atomic_save(cpu_state_dict(model), model_path(args.save_model_dir, args.env))
             m, s, n = normalizer(env).get_stats()
-            run.norm_stats[run.workers] = torch.tensor([m, s, float(n)], dtype=torch.float64)
+            run.norm_stats[run.monitor_norm] = torch.tensor([m, s, float(n)], dtype=torch.float64)
             if args.target_score is not None and window_mean is not None and window_mean >= args.target_score:
                 console.info(f"[monitor] target score {args.target_score:g} reached: mean {window_mean:.2f} over "
                              f"the last {run.recent.numel()} games")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ga3c.buffers import Backoff, EnvSlots
+from run_state import AnyOf
 
 
 @dataclass(frozen=True)
@@ -176,11 +177,14 @@ class AgentStepper:
 
 
 def run_agent(agent_id: int, slots, buffers: EnvSlots, make_env, stop, *, counters=None, episodes=None,
-              seed: int | None = None, max_steps: int | None = None) -> int:
+              seed: int | None = None, max_steps: int | None = None, on_ready=None) -> int:
     """The agent loop: step the environments ``make_env(slot)`` of ``slots`` until ``stop.is_set()`` (or
-    ``max_steps`` agent steps). Slot s's first reset is seeded with ``seed + s``. Returns the steps taken."""
+    ``max_steps`` agent steps). Slot s's first reset is seeded with ``seed + s``. Returns the steps taken.
+    ``on_ready()`` is called once the environments are built."""
     runners = [EnvRunner(s, make_env(s), buffers, None if seed is None else seed + s) for s in slots]
     stepper = AgentStepper(agent_id, runners, buffers, counters, episodes)
+    if on_ready is not None:
+        on_ready()
     try:
         stepper.begin()
         backoff = Backoff()
@@ -195,15 +199,19 @@ def run_agent(agent_id: int, slots, buffers: EnvSlots, make_env, stop, *, counte
 
 
 def agent_process(agent_id: int, slots, buffers: EnvSlots, make_env, stop, counters=None, episodes=None,
-                  seed: int | None = None, errors=None, error_slot: int | None = None) -> None:
+                  seed: int | None = None, errors=None, error_slot: int | None = None, retire=None,
+                  ready: torch.Tensor | None = None) -> None:
     """Process entry point of agent ``agent_id``: set the process up (``utils.setup_child_process``), run the
-    loop, and report a failure to ``errors`` (an ``ErrorBoard``) before exiting non-zero."""
+    loop until ``stop`` or its own ``retire`` flag (``--dynamic``) is set, and report a failure to ``errors`` (an
+    ``ErrorBoard``) before exiting non-zero. ``ready[error_slot]`` is set once its environments are built."""
     from utils import describe_failure, setup_child_process
     setup_child_process(f"ga3c agent {agent_id}")
+    slot = agent_id if error_slot is None else error_slot
     try:
-        run_agent(agent_id, slots, buffers, make_env, stop, counters=counters, episodes=episodes, seed=seed)
+        run_agent(agent_id, slots, buffers, make_env, stop if retire is None else AnyOf(stop, retire),
+                  counters=counters, episodes=episodes, seed=seed,
+                  on_ready=None if ready is None else (lambda: ready.__setitem__(slot, 1)))
     except BaseException as e:
         if errors is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            errors.report(agent_id if error_slot is None else error_slot, f"ga3c agent {agent_id}",
-                          describe_failure(e))
+            errors.report(slot, f"ga3c agent {agent_id}", describe_failure(e))
         raise SystemExit(1)

@@ -58,7 +58,8 @@ class EnvSlots:
     checkpoints and for restoring an agent's normaliser.
     """
 
-    def __init__(self, num_slots: int, frame_shape: tuple[int, ...] = FRAME_SHAPE):
+    def __init__(self, num_slots: int, frame_shape: tuple[int, ...] = FRAME_SHAPE,
+                 norm_stats: torch.Tensor | None = None):
         if num_slots < 1:
             raise ValueError(f"need at least one env slot, got {num_slots}")
         n = num_slots
@@ -70,13 +71,17 @@ class EnvSlots:
         self.episode_start = torch.zeros(n, dtype=torch.uint8)
         self.final = torch.zeros(n, dtype=torch.uint8)
         self.req_seq = torch.zeros(n, dtype=torch.int64)
-        self.norm_stats = torch.zeros(n, 3, dtype=torch.float64)
+        # A run passes its own rows (``RunState.norm_stats[:n]``, a view of shared memory) so checkpoints see them.
+        self.norm_stats = torch.zeros(n, 3, dtype=torch.float64) if norm_stats is None else norm_stats
         self.action = torch.zeros(n, dtype=torch.int64)
         self.mu = torch.zeros(n, dtype=torch.float32)
         self.version = torch.zeros(n, dtype=torch.int64)
         self.resp_seq = torch.zeros(n, dtype=torch.int64)
+        if norm_stats is not None and (tuple(norm_stats.shape) != (n, 3) or not norm_stats.is_shared()):
+            raise ValueError(f"norm_stats must be a shared ({n}, 3) tensor")
         for name in AGENT_FIELDS + PREDICTOR_FIELDS:
-            getattr(self, name).share_memory_()
+            if not getattr(self, name).is_shared():
+                getattr(self, name).share_memory_()
 
     # ---- agent side -------------------------------------------------------------------------------------------
     def submit(self, slot: int, obs, *, reward: float = 0.0, terminated: bool = False, truncated: bool = False,

@@ -34,6 +34,7 @@ class SlotStates:
     """The LSTM state ``(hx, cx)`` of every env slot, each ``(N, H)`` on ``device``."""
 
     def __init__(self, num_slots: int, hidden_size: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.hx = torch.zeros(num_slots, hidden_size, device=device)
         self.cx = torch.zeros(num_slots, hidden_size, device=device)
 
@@ -71,7 +72,8 @@ class Predictor:
 
     def __init__(self, model, buffers: EnvSlots, slots, states: SlotStates, *, num_steps: int,
                  predict_batch: int, counters=None, index: int = 0, sink=None,
-                 device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False):
+                 device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False,
+                 open_segments: dict | None = None, sync_every: int = 1):
         self.model = model
         self.buffers = buffers
         self.slots = torch.as_tensor(list(slots), dtype=torch.int64)
@@ -85,7 +87,9 @@ class Predictor:
         self.source = source
         self.greedy = greedy
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.open: dict[int, SegmentBuilder] = {}
+        # Open segments by slot; predictors that replace this one (``Server.set_counts``) take the same dict over.
+        self.open: dict[int, SegmentBuilder] = {} if open_segments is None else open_segments
+        self.sync_every = sync_every
         self._next = 0  # round-robin start, an index into self.slots
         self._synced = -1
         self.predictions = 0
@@ -108,16 +112,16 @@ class Predictor:
             return None
         req = self.buffers.read_requests(slots)
         version = self.counters.version if self.counters is not None else 0
-        if self.source is not None and version != self._synced:
+        if self.source is not None and (self._synced < 0 or version - self._synced >= self.sync_every):
             sync_weights(self.model, self.source)
             self._synced = version
-        dev_slots = slots.to(self.device)
+        state_slots = slots.to(self.states.device)
         starts = req["episode_start"]
         if bool(starts.any()):
-            self.states.reset(dev_slots[starts.to(self.device)])
-        state = self.states.get(dev_slots)
+            self.states.reset(state_slots[starts.to(self.states.device)])
+        state = tuple(t.to(self.device) for t in self.states.get(state_slots))
         value, logits, new_state = self.model(req["obs"].to(self.device), state)
-        self.states.put(dev_slots, new_state)
+        self.states.put(state_slots, tuple(t.to(self.states.device) for t in new_state))
         probs = F.softmax(logits, dim=1)
         if self.greedy:
             actions = logits.argmax(1)

@@ -1,4 +1,4 @@
-"""Predictors and trainers as threads next to the one model (GA3C's server), stopped by the run's stop flag.
+"""Predictors and trainers as threads next to the one model (GA3C's server), and the process that runs them.
 
 Threads, as in GA3C: the model, the per-slot LSTM states and the queue of closed segments stay in one process
 (and on one device), and torch releases the GIL inside its kernels, so a trainer's backward and a predictor's
@@ -7,9 +7,20 @@ boundary there, and a thread that fails takes no lock with it; the agents, the o
 through ``buffers.EnvSlots``.
 
 Predictor p of NP owns env slots ``p, p + NP, ...`` (each slot's LSTM state has one writer) and acts with a
-private, channels-last copy of the model refreshed whenever the version moves (``private_predictor_models``),
-or with the shared model itself. A thread that raises records its traceback in ``failures`` and sets the stop
-flag, so everything ends and the caller can report it.
+private, channels-last copy of the model refreshed every ``sync_every`` updates (``private_predictor_models``),
+or with the shared model itself. A thread that raises records its traceback in ``failures`` and halts this
+server (not the run: the server process reports the failure and exits non-zero, and the main process stops the
+run when it sees that).
+
+Devices (``ga3c_devices``): the CPU by default; with one GPU, trainers and predictors both use it; with two or
+more, the first half of ``--gpu-ids`` trains and the second half predicts (tensorpack's split), trainer t on the
+t-th training GPU round-robin, predictor p likewise. The shared model and the optimizer stay in CPU shared memory
+(the monitor and the checkpoints read them there); trainers hand their gradients to it and step the optimizer
+on the CPU, as A3G workers do, and predictors copy the weights to their device.
+
+``set_counts(trainers, predictors)`` (``--dynamic``) starts or retires trainer threads, and replaces the
+predictor threads by a new set when their number changes (the new ones take over the open segments and the
+per-slot LSTM states, so no env slot loses its episode).
 """
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ import queue
 import threading
 import time
 import traceback
+from argparse import Namespace
 
 import torch
 
@@ -25,57 +37,194 @@ from ga3c.predictor import Predictor, SlotStates, queue_sink
 from ga3c.settings import Ga3cSettings
 from ga3c.trainer import Trainer
 from model import A3Clstm
+from run_state import AnyOf
+
+
+def ga3c_devices(gpu_ids: list[int]) -> tuple[list[torch.device], list[torch.device]]:
+    """``(trainer devices, predictor devices)`` from ``--gpu-ids`` (see the module docstring)."""
+    if not gpu_ids or gpu_ids[0] < 0:
+        return [torch.device("cpu")], [torch.device("cpu")]
+    gpus = [torch.device("cuda", g) for g in gpu_ids]
+    if len(gpus) == 1:
+        return gpus, gpus
+    half = len(gpus) // 2
+    return gpus[:half], gpus[half:]
 
 
 class Server:
-    """``num_predictors`` predictor threads and ``num_trainers`` trainer threads over ``shared_model``."""
+    """``num_predictors`` predictor threads and ``num_trainers`` trainer threads over ``shared_model``, until
+    ``stop`` (the run's flag) or ``halt`` (this server's, set by a failed thread or by ``close``)."""
 
     def __init__(self, shared_model: A3Clstm, optimizer: torch.optim.Optimizer, buffers: EnvSlots, counters,
                  settings: Ga3cSettings, stop, *, num_predictors: int = 1, num_trainers: int = 1,
-                 device: torch.device | str = "cpu", private_predictor_models: bool = True, seed: int = 0):
+                 device: torch.device | str = "cpu", trainer_devices: list | None = None,
+                 predictor_devices: list | None = None, private_predictor_models: bool = True,
+                 sync_every: int = 1, seed: int = 0):
+        self.shared_model = shared_model
+        self.optimizer = optimizer
+        self.buffers = buffers
+        self.counters = counters
+        self.settings = settings
         self.stop = stop
+        self.halt = threading.Event()
+        self.trainer_devices = [torch.device(d) for d in (trainer_devices or [device])]
+        self.predictor_devices = [torch.device(d) for d in (predictor_devices or [device])]
+        self.private = private_predictor_models
+        self.sync_every = sync_every
+        self.seed = seed
         self.segments: queue.Queue = queue.Queue(maxsize=settings.queue_size)
-        self.states = SlotStates(buffers.num_slots, shared_model.hidden_size, device)
+        one_device = len(set(self.predictor_devices)) == 1
+        self.states = SlotStates(buffers.num_slots, shared_model.hidden_size,
+                                 self.predictor_devices[0] if one_device else "cpu")
+        self.open_segments: dict = {}
         self.failures: list[tuple[str, str]] = []
         self.threads: list[threading.Thread] = []
-        sink = queue_sink(self.segments, stop)
-        self.predictors = []
-        for p in range(num_predictors):
-            model, source = shared_model, None
-            if private_predictor_models:
-                model = A3Clstm(shared_model.conv1.in_channels, shared_model.num_actions,
-                                shared_model.hidden_size).channels_last().to(device).eval()
-                source = shared_model
-            self.predictors.append(Predictor(
-                model, buffers, range(p, buffers.num_slots, num_predictors), self.states,
-                num_steps=settings.num_steps, predict_batch=settings.predict_batch, counters=counters, index=p,
-                sink=sink, device=device, source=source, seed=seed + p))
-        step_lock = threading.Lock()  # hand-off + optimizer step only (see trainer.py)
-        self.trainers = [Trainer(shared_model, optimizer, settings, index=t, counters=counters, device=device,
-                                 step_lock=step_lock) for t in range(num_trainers)]
+        self.step_lock = threading.Lock()  # hand-off + optimizer step only (see trainer.py)
+        self._private_models: dict[int, A3Clstm] = {}
+        self.predictors: list[Predictor] = []
+        self._predictor_threads: list[tuple[threading.Event, threading.Thread]] = []
+        self.trainers: list[Trainer] = []
+        self._trainer_threads: list[tuple[threading.Event, threading.Thread]] = []
+        self._build_predictors(num_predictors)
+        for _ in range(num_trainers):
+            self._add_trainer()
 
+    # ---- construction -----------------------------------------------------------------------------------------
+    def _predictor_model(self, p: int, device: torch.device):
+        if not self.private:
+            return self.shared_model, None
+        if p not in self._private_models:
+            m = self.shared_model
+            self._private_models[p] = A3Clstm(m.conv1.in_channels, m.num_actions,
+                                              m.hidden_size).channels_last().to(device).eval()
+        return self._private_models[p], self.shared_model
+
+    def _build_predictors(self, n: int) -> None:
+        sink = queue_sink(self.segments, AnyOf(self.stop, self.halt))
+        self.predictors = []
+        for p in range(n):
+            device = self.predictor_devices[p % len(self.predictor_devices)]
+            model, source = self._predictor_model(p, device)
+            self.predictors.append(Predictor(
+                model, self.buffers, range(p, self.buffers.num_slots, n), self.states,
+                num_steps=self.settings.num_steps, predict_batch=self.settings.predict_batch,
+                counters=self.counters, index=p, sink=sink, device=device, source=source, seed=self.seed + p,
+                open_segments=self.open_segments, sync_every=self.sync_every))
+
+    def _add_trainer(self) -> Trainer:
+        t = len(self.trainers)
+        trainer = Trainer(self.shared_model, self.optimizer, self.settings, index=t, counters=self.counters,
+                          device=self.trainer_devices[t % len(self.trainer_devices)], step_lock=self.step_lock)
+        self.trainers.append(trainer)
+        return trainer
+
+    # ---- threads ----------------------------------------------------------------------------------------------
     def _guard(self, role: str, fn) -> None:
         try:
             fn()
-        except BaseException:  # noqa: BLE001 - recorded and turned into a stop of the whole run
+        except BaseException:  # noqa: BLE001 - recorded; the server halts and its process reports it
             self.failures.append((role, traceback.format_exc()))
-            self.stop.set()
+            self.halt.set()
 
-    def start(self) -> "Server":
-        for i, p in enumerate(self.predictors):
-            self._start(f"predictor {i}", lambda p=p: p.run(self.stop))
-        for i, t in enumerate(self.trainers):
-            self._start(f"trainer {i}", lambda t=t: t.run(self.segments, self.stop))
-        return self
-
-    def _start(self, role: str, fn) -> None:
-        th = threading.Thread(target=self._guard, args=(role, fn), name=f"ga3c {role}", daemon=True)
+    def _start(self, role: str, fn) -> tuple[threading.Event, threading.Thread]:
+        retire = threading.Event()
+        th = threading.Thread(target=self._guard, args=(role, lambda: fn(AnyOf(self.stop, self.halt, retire))),
+                              name=f"ga3c {role}", daemon=True)
         th.start()
         self.threads.append(th)
+        return retire, th
+
+    def _start_predictors(self) -> None:
+        self._predictor_threads = [self._start(f"predictor {i}", lambda s, p=p: p.run(s))
+                                   for i, p in enumerate(self.predictors)]
+
+    def _start_trainer(self, i: int) -> None:
+        t = self.trainers[i]
+        self._trainer_threads.append(self._start(f"trainer {i}", lambda s, t=t: t.run(self.segments, s)))
+
+    def start(self) -> "Server":
+        self._start_predictors()
+        for i in range(len(self.trainers)):
+            self._start_trainer(i)
+        self._publish()
+        return self
+
+    def _publish(self) -> None:
+        if self.counters is not None:
+            self.counters.active[0] = len(self._trainer_threads)
+            self.counters.active[1] = len(self._predictor_threads)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """Running (trainers, predictors)."""
+        return len(self._trainer_threads), len(self._predictor_threads)
+
+    def set_counts(self, trainers: int, predictors: int, timeout: float = 10.0) -> None:
+        """Run ``trainers`` trainer and ``predictors`` predictor threads from now on (see the module docstring)."""
+        while len(self._trainer_threads) > trainers:  # retire the newest; its partial batch is dropped
+            retire, th = self._trainer_threads.pop()
+            retire.set()
+            th.join(timeout)
+        while len(self._trainer_threads) < trainers:
+            i = len(self._trainer_threads)
+            if i >= len(self.trainers):
+                self._add_trainer()
+            self._start_trainer(i)
+        if predictors != len(self._predictor_threads):
+            for retire, _ in self._predictor_threads:
+                retire.set()
+            for _, th in self._predictor_threads:
+                th.join(timeout)
+            self._build_predictors(predictors)
+            self._start_predictors()
+        self._publish()
 
     def join(self, timeout: float = 10.0) -> bool:
-        """Wait (at most ``timeout`` seconds in all) for the threads to end after ``stop``; True if all did."""
+        """Wait (at most ``timeout`` seconds in all) for the threads to end after ``stop``/``halt``; True if all
+        did."""
         deadline = time.monotonic() + timeout
         for th in self.threads:
             th.join(max(0.0, deadline - time.monotonic()))
         return not any(th.is_alive() for th in self.threads)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        self.halt.set()
+        return self.join(timeout)
+
+
+def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters,
+                   run) -> None:
+    """Process entry point of GA3C's server: predictors and trainers over ``shared_model`` until ``run.stop``.
+
+    ``optimizer`` is the run's shared optimizer, or None for a private one (``--no-shared-optimizer``). With
+    ``--dynamic`` it follows the main process's wanted counts in ``counters.targets``. A failed thread (or any
+    error here) is reported in ``run.errors[slot]`` and the process exits with code 1.
+    """
+    from shared_optim import make_optimizer
+    from utils import describe_failure, setup_child_process, use_device
+    setup_child_process("ga3c server")
+    try:
+        trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
+        use_device(trainer_devices[0])
+        torch.manual_seed(args.seed)
+        if optimizer is None:
+            optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
+        server = Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), run.stop,
+                        num_predictors=args.predictors, num_trainers=args.trainers,
+                        trainer_devices=trainer_devices, predictor_devices=predictor_devices,
+                        sync_every=args.sync_every, seed=args.seed).start()
+        run.mark_ready(slot)
+        while not run.stop.is_set() and not server.halt.is_set():
+            if args.dynamic:
+                nt, np_ = (int(v) for v in counters.targets[:2].tolist())
+                if nt > 0 and np_ > 0 and (nt, np_) != server.counts:
+                    server.set_counts(nt, np_)
+            time.sleep(0.05)
+        server.close(5.0)
+        if server.failures:
+            role, text = server.failures[0]
+            raise RuntimeError(f"the {role} thread failed:\n{text}")
+    except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            run.errors.report(slot, "ga3c server", describe_failure(e))
+        raise SystemExit(1)

@@ -22,7 +22,10 @@ class Ga3cSettings:
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":
         """From a parsed namespace: each field its attribute of the same name when present, else the default."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if not values.get("is_clip"):  # the flag's 0 means off
+            values["is_clip"] = None
+        return cls(**values)
 
     def problems(self) -> list[str]:
         """Every invalid value, one line each (empty when all is well)."""

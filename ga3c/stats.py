@@ -31,6 +31,7 @@ EMA = 0.99
 STATS_LINE = ("[Time: %8d] [Episode: %8d Score: %10.4f] [RScore: %10.4f RPPS: %5d] "
               "[PPS: %5d TPS: %5d] [NT: %2d NP: %2d NA: %2d]")
 RESULTS_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+LAG_BINS = 256  # policy-lag histogram: lags 0..254 exactly, 255 means >= 255 updates
 
 
 class Ga3cCounters:
@@ -41,12 +42,20 @@ class Ga3cCounters:
     and agents running now (NT, NP, NA), written by the process that starts them.
     """
 
-    def __init__(self, max_agents: int, max_predictors: int, max_trainers: int):
-        self.agent_steps = torch.zeros(max_agents + 1, dtype=torch.int64).share_memory_()
+    def __init__(self, max_agents: int, max_predictors: int, max_trainers: int, agent_steps: torch.Tensor | None = None):
+        # A run passes its ``RunState.global_steps`` slots (one per process, the base last), so the monitor, the stop
+        # conditions and the checkpoints count the same steps.
+        if agent_steps is None:
+            agent_steps = torch.zeros(max_agents + 1, dtype=torch.int64).share_memory_()
+        elif agent_steps.numel() < max_agents + 1 or not agent_steps.is_shared():
+            raise ValueError(f"agent_steps must be a shared tensor of at least {max_agents + 1} slots")
+        self.agent_steps = agent_steps
         self.predictions = torch.zeros(max_predictors, dtype=torch.int64).share_memory_()
         self.updates = torch.zeros(max_trainers + 1, dtype=torch.int64).share_memory_()
         self.trainer_stats = torch.zeros(max_trainers, len(TRAINER_FIELDS), dtype=torch.float64).share_memory_()
+        self.lag_hist = torch.zeros(max_trainers, LAG_BINS, dtype=torch.int64).share_memory_()
         self.active = torch.zeros(3, dtype=torch.int32).share_memory_()
+        self.targets = torch.zeros(3, dtype=torch.int32).share_memory_()  # --dynamic: wanted NT, NP (NA: main)
 
     # writers, each on its own slot
     def add_steps(self, agent: int, n: int) -> None:
@@ -56,9 +65,15 @@ class Ga3cCounters:
         self.predictions[predictor] += n
 
     def record_update(self, trainer: int, *, steps: int, segments: int, lag_mean: float, lag_max: float,
-                      policy: float, value: float, entropy: float, grad_norm: float) -> None:
-        """Count one update of ``steps`` transitions in ``segments`` segments. The lag is the last batch's; the
-        losses (per step) and the gradient norm are smoothed (EMA 0.99) for display."""
+                      policy: float, value: float, entropy: float, grad_norm: float,
+                      lags: torch.Tensor | None = None) -> None:
+        """Count one update of ``steps`` transitions in ``segments`` segments. ``lag_mean``/``lag_max`` are the
+        last batch's, ``lags`` (one per transition) go into the cumulative histogram ``lag_hist`` (exact means and
+        maxima over any stretch: ``lag_summary``); the losses (per step) and the gradient norm are smoothed (EMA
+        0.99) for display."""
+        if lags is not None:
+            self.lag_hist[trainer] += torch.bincount(lags.to(torch.int64).clamp(0, LAG_BINS - 1).cpu(),
+                                                     minlength=LAG_BINS)
         row = self.trainer_stats[trainer]
         first = int(self.updates[trainer]) == 0
         row[0] += steps
@@ -79,6 +94,19 @@ class Ga3cCounters:
         self.updates[-1] = int(updates)
 
     # readers
+    def lag_summary(self, since: torch.Tensor | None = None) -> tuple[float, int, int]:
+        """``(mean, max, transitions)`` of the policy lag of every transition trained since the histogram
+        ``since`` (a clone of ``lag_hist.sum(0)`` taken earlier; None: since the start). Mean and max are 0 when
+        nothing was trained."""
+        hist = self.lag_hist.sum(0)
+        if since is not None:
+            hist = hist - since
+        n = int(hist.sum())
+        if n == 0:
+            return 0.0, 0, 0
+        lags = torch.arange(LAG_BINS, dtype=torch.float64)
+        return float((hist.double() * lags).sum() / n), int(hist.nonzero().max()), n
+
     @property
     def steps(self) -> int:
         """Agent steps over all agents (and resumed runs)."""

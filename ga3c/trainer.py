@@ -168,7 +168,7 @@ class Trainer:
             self.counters.record_update(self.index, steps=n, segments=result.segments, lag_mean=result.lag_mean,
                                         lag_max=result.lag_max, policy=loss.policy.item() / n,
                                         value=loss.value.item() / n, entropy=loss.entropy.item() / n,
-                                        grad_norm=grad_norm)
+                                        grad_norm=grad_norm, lags=version - batch.versions)
         return result
 
     def run(self, source: "queue.Queue[Segment]", stop, max_updates: int | None = None,

@@ -1,0 +1,201 @@
+"""GA3C mode of ``main.py``: the processes of a run, what the main process reports, and ``--dynamic``.
+
+Processes (all spawned by the main process, bound to it by ``lifeline``, stopped through ``run.stop``):
+
+- ``ga3c server``: predictor and trainer threads over the shared model (``server.server_process``);
+- ``ga3c agent a`` for a < NA: steps env slots ``a*K .. a*K+K-1`` (K = ``--envs-per-agent``);
+- ``monitor``: the same greedy test games as A3G mode (``test.test``), on the same shared model.
+
+Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
+rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
+-> ``max_agents + 1``; plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose agent-step slots *are* the run's
+global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_updates`` (the model version), so
+either mode resumes the other's.
+
+The main process calls ``tick()`` about 5 times a second: it prints GA3C's console line for every finished agent
+game (and appends it to ``<log-dir>/results.txt``) and drives ``--dynamic``.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import lifeline
+from ga3c.agent import AtariEnvFactory, agent_process
+from ga3c.buffers import EnvSlots
+from ga3c.dynamic import DynamicAdjuster
+from ga3c.server import ga3c_devices, server_process
+from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter
+from model import A3Clstm
+from run_state import Flag, RunState
+
+
+def results_path(log_dir: str | Path) -> Path:
+    return Path(log_dir) / "results.txt"
+
+
+class Ga3cRun:
+    """One GA3C run's shared state and processes (see the module docstring)."""
+
+    name = "ga3c"
+
+    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log, console_window: int = 1000):
+        self.args = args
+        self.shared_model = shared_model
+        self.optimizer = optimizer
+        self.log = log
+        self.max_agents = args.dynamic_max[2] if args.dynamic else args.agents
+        max_trainers = args.dynamic_max[0] if args.dynamic else args.trainers
+        max_predictors = args.dynamic_max[1] if args.dynamic else args.predictors
+        self.k = args.envs_per_agent
+        n_slots = self.max_agents * self.k
+        self.run = RunState(self.max_agents + 2, args.score_window, norm_rows=n_slots)
+        self.server_slot = self.max_agents
+        self.buffers = EnvSlots(n_slots, norm_stats=self.run.norm_stats[:n_slots])
+        self.counters = Ga3cCounters(self.max_agents, max_predictors, max_trainers,
+                                     agent_steps=self.run.global_steps.slots)
+        self.episodes = EpisodeLog(self.max_agents)
+        self.retire = [Flag() for _ in range(self.max_agents)]
+        self.procs: list[tuple[str, mp.Process]] = []
+        self.agents: dict[int, mp.Process] = {}  # running agents by index
+        self._agent_processes: dict[int, mp.Process] = {}  # the latest process of each index
+        self.retired: set[int] = set()  # pids of agents that --dynamic stopped (they exit 0 on purpose)
+        self.console = ConsoleStats(time.time(), window=console_window)
+        self.results = None
+        self.adjuster = None
+        if args.dynamic:
+            self.adjuster = DynamicAdjuster((args.trainers, args.predictors, args.agents), (1, 1, 1),
+                                            tuple(args.dynamic_max), args.dynamic_seconds, seed=args.seed)
+        self._ctx = None
+        self._status_hist = None
+        self._status_updates = 0
+        self._status_trained = 0
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        trainer_devices, predictor_devices = ga3c_devices(self.args.gpu_ids)
+        where = ("CPU" if trainer_devices[0].type == "cpu" else
+                 f"trainers on {', '.join(map(str, trainer_devices))}, predictors on "
+                 f"{', '.join(map(str, predictor_devices))}")
+        a = self.args
+        return (f"in GA3C mode: {a.agents} agents x {a.envs_per_agent} envs, {a.predictors} predictor(s), "
+                f"{a.trainers} trainer(s), {a.train_batch} segments of {a.num_steps} steps per update"
+                + (f", importance weights clipped at {a.is_clip:g}" if a.is_clip else "")
+                + (", --dynamic" if a.dynamic else "") + f", on {where}")
+
+    def restore(self, ckpt: dict) -> None:
+        self.run.restore(ckpt)
+        self.counters.restore(self.run.global_steps.value, int(ckpt.get("ga3c_updates", 0)))
+
+    def snapshot(self) -> dict:
+        return {"ga3c_updates": self.counters.version}
+
+    def slot_of(self, role: str) -> int:
+        if role == "monitor":
+            return self.run.monitor_slot
+        if role == "ga3c server":
+            return self.server_slot
+        return int(role.rsplit(" ", 1)[1])
+
+    # ---- processes ----------------------------------------------------------------------------------------------
+    def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
+        from test import test
+        self._ctx = ctx
+        self.results = ResultsWriter(results_path(self.args.log_dir))
+        lifeline.mark_children()
+        self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
+                                                     self.buffers, self.counters, self.run))
+        for a in range(self.args.agents):
+            self._start_agent(a)
+        self._start("monitor", test, (self.args, self.shared_model, self.run, elapsed_offset))
+        self.counters.targets[0], self.counters.targets[1] = self.args.trainers, self.args.predictors
+        return self.procs
+
+    def _start(self, role: str, target, target_args) -> mp.Process:
+        p = self._ctx.Process(target=target, args=target_args, name=role)
+        lifeline.start_child(p)
+        self.procs.append((role, p))
+        return p
+
+    def _start_agent(self, a: int) -> None:
+        a_args = self.args
+        factory = AtariEnvFactory(a_args.env, a_args.env_config, a_args.max_episode_length, a_args.skip_rate,
+                                  seed=a_args.seed)
+        old = self._agent_processes.get(a)
+        if old is not None and old.is_alive():  # retired earlier: it must let go of its env slots first
+            old.join(5.0)
+        self.retire[a].clear()
+        self.run.ready[a] = 0
+        slots = list(range(a * self.k, (a + 1) * self.k))
+        self.agents[a] = self._agent_processes[a] = self._start(f"ga3c agent {a}", agent_process, (
+            a, slots, self.buffers, factory, self.run.stop, self.counters, self.episodes, a_args.seed,
+            self.run.errors, a, self.retire[a], self.run.ready))
+        self.counters.active[2] = len(self.agents)
+
+    def _retire_agent(self, a: int) -> None:
+        p = self.agents.pop(a)
+        self.retired.add(p.pid)
+        self.retire[a].set()  # it finishes its current step and exits 0
+        self.counters.active[2] = len(self.agents)
+
+    def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
+        """An agent that ``--dynamic`` retired ends on purpose."""
+        return process.exitcode == 0 and process.pid in self.retired
+
+    # ---- what the main process does while the run goes on --------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for episode in self.episodes.read_new():
+            self.console.add(episode)
+            nt, np_, na = (int(v) for v in self.counters.active.tolist())
+            self.log.info(self.console.line(now, self.run.global_steps.value, self.counters.version, nt, np_, na))
+            if self.results is not None:
+                self.results.write(episode)
+        if self.adjuster is not None and self._ctx is not None and not self.run.stop.is_set():
+            counts = self.adjuster.observe(now, self.trained_steps())
+            for event in self.adjuster.events:
+                self.log.info(f"[dynamic] {event}")
+            self.adjuster.events.clear()
+            if counts is not None:
+                self.apply_counts(counts)
+
+    def apply_counts(self, counts) -> None:
+        nt, np_, na = counts
+        self.counters.targets[0], self.counters.targets[1] = nt, np_
+        while len(self.agents) > na:
+            self._retire_agent(max(self.agents))
+        while len(self.agents) < na:
+            self._start_agent(min(set(range(self.max_agents)) - set(self.agents)))
+
+    def trained_steps(self) -> int:
+        return int(self.counters.trainer_stats[:, TRAINER_FIELDS.index("steps")].sum())
+
+    def status(self, rate: float, span: float) -> tuple[str, dict]:
+        """The status line and its TensorBoard scalars, for the stretch since the last call."""
+        lag_mean, lag_max, _ = self.counters.lag_summary(self._status_hist)
+        self._status_hist = self.counters.lag_hist.sum(0).clone()
+        updates, trained = self.counters.version, self.trained_steps()
+        ups = (updates - self._status_updates) / max(span, 1e-9)
+        tps = (trained - self._status_trained) / max(span, 1e-9)
+        self._status_updates, self._status_trained = updates, trained
+        stats = self.counters.trainer_stats
+        done = self.counters.updates[:-1] > 0
+        nt, np_, na = (int(v) for v in self.counters.active.tolist())
+        line = f"steps {self.run.global_steps.value:,} ({rate:.0f} steps/s) | updates {updates:,} ({ups:.1f}/s)"
+        scalars = {"charts/train_steps_per_s": rate, "charts/updates_per_s": ups, "charts/trained_steps_per_s": tps}
+        if bool(done.any()):
+            f = dict(zip(TRAINER_FIELDS, stats[done].mean(0).tolist()))
+            line += (f" | policy lag mean {lag_mean:.2f} max {lag_max} | per step: policy {f['policy_loss']:.4f} "
+                     f"value {f['value_loss']:.4f} entropy {f['entropy']:.3f} | grad-norm {f['grad_norm']:.2f}")
+            scalars.update({"charts/policy_lag_mean": lag_mean, "charts/policy_lag_max": lag_max,
+                            "losses/policy_loss": f["policy_loss"], "losses/value_loss": f["value_loss"],
+                            "losses/entropy": f["entropy"], "losses/grad_norm": f["grad_norm"]})
+        line += f" | NT {nt} NP {np_} NA {na}"
+        return line, scalars
+
+    def close(self) -> None:
+        self.tick(time.time())  # the games that ended during the shutdown
+        if self.results is not None:
+            self.results.close()
+            self.results = None

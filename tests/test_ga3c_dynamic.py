@@ -1,0 +1,135 @@
+"""``--dynamic``: the adjuster's rule and bounds (pure), the policy-lag histogram, and a server that changes its
+numbers of trainer and predictor threads while agents run, losing no env slot's episode."""
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from ga3c.agent import AtariEnvFactory, run_agent
+from ga3c.buffers import EnvSlots
+from ga3c.dynamic import DynamicAdjuster, random_step
+from ga3c.server import Server, ga3c_devices
+from ga3c.settings import Ga3cSettings
+from ga3c.stats import LAG_BINS, EpisodeLog, Ga3cCounters
+from model import A3Clstm
+from run_state import Flag
+from shared_optim import make_optimizer
+
+
+def test_random_steps_move_by_one_and_stay_within_the_bounds():
+    rng = random.Random(0)
+    lower, upper = (1, 1, 1), (2, 3, 4)
+    for _ in range(500):
+        current = tuple(rng.randint(lo, hi) for lo, hi in zip(lower, upper))
+        step = random_step(current, lower, upper, rng)
+        assert step != current
+        assert all(lo <= s <= hi and abs(s - c) <= 1 for s, c, lo, hi in zip(step, current, lower, upper))
+    assert random_step((1, 1, 1), (1, 1, 1), (1, 1, 1), rng) == (1, 1, 1)  # nothing can move
+
+
+def run_adjuster(rates, window=10.0, start=(1, 1, 2), upper=(2, 2, 4)):
+    """Drive an adjuster with a throughput per setting (``rates(counts) -> trained steps/s``); returns
+    ``(setting run, best setting)`` at the start of each window, and the adjuster."""
+    adj = DynamicAdjuster(start, (1, 1, 1), upper, window, seed=1)
+    t, trained, ran = 0.0, 0, []
+    assert adj.observe(t, trained) is None  # starts the first window
+    for _ in range(40):
+        ran.append((adj.current, adj.best))
+        t += window
+        trained += int(rates(adj.current) * window)
+        adj.observe(t, trained)
+        assert all(1 <= c <= u for c, u in zip(adj.current, upper))
+    return ran, adj
+
+
+def test_the_adjuster_keeps_what_is_faster_and_goes_back_from_what_is_slower():
+    # more agents are faster up to 3, more trainers or predictors are slower
+    def rates(c):
+        return 100 * min(c[2], 3) - 10 * (c[0] - 1) - 10 * (c[1] - 1)
+
+    ran, adj = run_adjuster(rates)
+    assert adj.best == (1, 1, 3)  # (current may be a trial in progress)
+    assert ran[0] == ((1, 1, 2), (1, 1, 2))
+    assert any(e.startswith("keep NT 1 NP 1 NA 3") for e in adj.events)
+    assert any(e.startswith("back to NT 1 NP 1 NA 3") for e in adj.events)
+    # a trial that lost is followed by a window of the best setting (re-measured), then by a new trial
+    for (cur, best), (nxt, best_after) in zip(ran, ran[1:]):
+        if cur != best and best_after == best:
+            assert nxt == best
+        if cur == best:
+            assert nxt != cur  # the next trial
+
+
+def test_the_adjuster_never_leaves_a_setting_that_cannot_move():
+    ran, adj = run_adjuster(lambda c: 50.0, start=(1, 1, 1), upper=(1, 1, 1))
+    assert {cur for cur, _ in ran} == {(1, 1, 1)} and adj.best_rate == pytest.approx(50.0)
+
+
+def test_the_adjuster_rejects_a_start_outside_its_bounds():
+    with pytest.raises(ValueError):
+        DynamicAdjuster((3, 1, 1), (1, 1, 1), (2, 2, 2), 1.0)
+
+
+def test_the_lag_histogram_gives_exact_means_and_maxima_over_any_stretch():
+    c = Ga3cCounters(1, 1, 2)
+    c.record_update(0, steps=4, segments=1, lag_mean=0, lag_max=0, policy=0, value=0, entropy=0, grad_norm=0,
+                    lags=torch.tensor([0, 1, 1, 2]))
+    since = c.lag_hist.sum(0).clone()
+    c.record_update(1, steps=3, segments=1, lag_mean=0, lag_max=0, policy=0, value=0, entropy=0, grad_norm=0,
+                    lags=torch.tensor([3, 5, 1000]))
+    assert c.lag_summary() == (pytest.approx((0 + 1 + 1 + 2 + 3 + 5 + LAG_BINS - 1) / 7), LAG_BINS - 1, 7)
+    assert c.lag_summary(since) == (pytest.approx((3 + 5 + LAG_BINS - 1) / 3), LAG_BINS - 1, 3)
+    assert c.lag_summary(c.lag_hist.sum(0).clone()) == (0.0, 0, 0)
+
+
+def test_ga3c_devices_split_gpus_as_tensorpack():
+    cpu = torch.device("cpu")
+    assert ga3c_devices([-1]) == ([cpu], [cpu])
+    gpu = [torch.device("cuda", i) for i in range(4)]
+    assert ga3c_devices([0]) == ([gpu[0]], [gpu[0]])
+    assert ga3c_devices([0, 1]) == ([gpu[0]], [gpu[1]])
+    assert ga3c_devices([0, 1, 2, 3]) == (gpu[:2], gpu[2:])
+    assert ga3c_devices([0, 1, 2]) == ([gpu[0]], gpu[1:3])
+
+
+def test_the_server_changes_its_thread_counts_while_agents_run(env_config):
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6, 32)
+    model.share_memory()
+    settings = Ga3cSettings(num_steps=5, train_batch=2, predict_batch=8, queue_size=4)
+    n_envs = 4
+    buffers, counters, episodes, stop = EnvSlots(n_envs), Ga3cCounters(1, 3, 3), EpisodeLog(1), Flag()
+    server = Server(model, make_optimizer("Adam", model.parameters(), 1e-3), buffers, counters, settings, stop,
+                    num_predictors=1, num_trainers=1).start()
+    agent = threading.Thread(target=run_agent, args=(0, list(range(n_envs)), buffers,
+                                                     AtariEnvFactory("PongNoFrameskip-v4", env_config, seed=1),
+                                                     stop), kwargs={"counters": counters, "episodes": episodes})
+    agent.start()
+
+    def progress(updates_more, predictions_more, timeout=120):
+        v0, p0 = counters.version, counters.total_predictions
+        deadline = time.monotonic() + timeout
+        while counters.version < v0 + updates_more or counters.total_predictions < p0 + predictions_more:
+            assert time.monotonic() < deadline and not server.failures, server.failures
+            time.sleep(0.05)
+
+    try:
+        progress(2, 20)
+        for nt, np_ in ((2, 3), (3, 1), (1, 2)):
+            server.set_counts(nt, np_)
+            assert server.counts == (nt, np_) and counters.active[:2].tolist() == [nt, np_]
+            predictions = counters.predictions.clone()
+            progress(2, 20)
+            served = (counters.predictions - predictions)[:np_]
+            assert (served > 0).all(), served  # every predictor of the new set serves its slots
+        # no slot starves and no slot's LSTM state went back to zero without an episode start (Pong: no lost life)
+        assert torch.count_nonzero(server.states.hx.abs().sum(1)) == n_envs
+    finally:
+        stop.set()
+        assert server.join(10)
+        agent.join(10)
+    assert not agent.is_alive() and server.failures == []
+    steps, preds = counters.steps, counters.total_predictions
+    assert steps <= preds <= steps + n_envs

@@ -1,0 +1,161 @@
+"""``main.py --mode ga3c`` as a subprocess with tiny budgets: what it writes, GA3C's console line and results.txt,
+resuming in either mode from the other's checkpoint, evaluation of its model, ending on a signal or a dead
+process with nothing left running, and bad flags.
+
+Stop conditions hold whatever the processes' relative speed (see test_main.UNTIL_GAME): the run stops right after
+the monitor's game number --score-window, and the monitor plays one game at start-up and one after every
+--test-every-steps global steps. A queue of one segment bounds how far the agents can get ahead of the trainer:
+each update takes 2 segments of 5 steps, at most 3 segments wait (queue, a predictor blocked on it, the trainer's
+partial batch) and 4 are open, so 150 global steps need at least (150 - 35) / 10 > 11 updates.
+"""
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, run_entry
+from test_faults import (START_SECONDS, check_end, launch, load_saved,  # noqa: F401 - launch: fixture
+                         models_dir, wait_for_steps)
+
+ENV_ID = "PongNoFrameskip-v4"
+GA3C = ["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--num-steps", "5", "--train-batch", "2",
+        "--queue-size", "1"]
+COMMON = ["--hidden-size", "32", "--test-every-steps", "150", "--env-config", str(ROOT / "config.json"),
+          "--max-steps", "0", "--max-episode-length", "200", "--target-score", "-1000", "--score-window"]
+CONSOLE = re.compile(r"\[Time: +\d+\] \[Episode: +\d+ Score: +-?\d+\.\d{4}\] \[RScore: +-?\d+\.\d{4} RPPS: +\d+\] "
+                     r"\[PPS: +\d+ TPS: +\d+\] \[NT: +\d+ NP: +\d+ NA: +\d+\]")
+RESULTS = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d, -?\d+, \d+$")
+
+
+def dirs(tmp_path):
+    return ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models")]
+
+
+def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_other(tmp_path):
+    r = run_entry("main.py", *GA3C, *COMMON, "2", *dirs(tmp_path), "--tensorboard-logger", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "in GA3C mode: 2 agents x 2 envs" in r.stdout and "reached --target-score -1000" in r.stdout
+    ckpt_path, dat = tmp_path / "models" / f"{ENV_ID}.ckpt", tmp_path / "models" / f"{ENV_ID}.dat"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    steps1, updates1 = ckpt["global_steps"], ckpt["ga3c_updates"]
+    assert steps1 >= 150 and updates1 > 11 and ckpt["config"]["mode"] == "ga3c" and ckpt["optimizer"]["state"]
+    assert ckpt["norm_stats"].shape == (5, 3) and (ckpt["norm_stats"][:, 2] > 0).all()  # 4 env slots + monitor
+    sd = torch.load(dat, weights_only=True)
+    assert len(sd) == 16 and sd["actor_linear.weight"].shape == (6, 32)
+    # GA3C's console line for every finished agent game, and the same games in results.txt
+    lines = [m.group(0) for m in CONSOLE.finditer(r.stdout)]
+    results = (tmp_path / "logs" / "results.txt").read_text().splitlines()
+    assert len(results) == len(lines) and all(RESULTS.match(s) for s in results)
+    if lines:  # agent games can be long; the count agrees either way
+        assert int(re.search(r"Episode: +(\d+)", lines[-1]).group(1)) == len(lines)
+        assert lines[-1].endswith("[NT:  1 NP:  1 NA:  2]")
+    status = (tmp_path / "logs" / f"{ENV_ID}_train.log").read_text()
+    assert re.search(r"updates [\d,]+ \([\d.]+/s\) \| policy lag mean [\d.]+ max \d+ \| per step: policy", status)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "logs/runs/PongNoFrameskip-v4_training"))
+    acc.Reload()
+    assert {"charts/policy_lag_mean", "charts/policy_lag_max", "charts/updates_per_s", "losses/policy_loss",
+            "charts/episode_reward"} <= set(acc.Tags()["scalars"])
+
+    # A3G mode resumes the GA3C checkpoint: weights, optimizer statistics, steps, the monitor's games
+    games1 = int(ckpt["monitor"][0])
+    r = run_entry("main.py", "--workers", "2", *COMMON, str(games1 + 2), *dirs(tmp_path), "--load", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert f"at {steps1:,} global steps" in r.stdout and "resumed the Adam statistics" in r.stdout
+    ckpt2 = torch.load(ckpt_path, weights_only=True)
+    assert ckpt2["global_steps"] >= steps1 + 150 and ckpt2["norm_stats"].shape == (3, 3)
+    assert ckpt2["config"]["mode"] == "a3g"
+
+    # ... and GA3C mode resumes the A3G one (its update count starts again from the last GA3C one: 0 here is fine)
+    games2 = int(ckpt2["monitor"][0])
+    r = run_entry("main.py", *GA3C, *COMMON, str(games2 + 2), *dirs(tmp_path), "--load", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert f"at {ckpt2['global_steps']:,} global steps" in r.stdout
+    ckpt3 = torch.load(ckpt_path, weights_only=True)
+    assert ckpt3["global_steps"] >= ckpt2["global_steps"] + 150 and ckpt3["ga3c_updates"] > 11
+    assert len((tmp_path / "logs" / "results.txt").read_text().splitlines()) >= len(results)  # appended
+
+    # the GA3C model evaluates with gym_eval.py unchanged
+    r = run_entry("gym_eval.py", "--env", ENV_ID, "--load-model-dir", str(tmp_path / "models"), "--hidden-size",
+                  "32", "--num-episodes", "1", "--max-episode-length", "50", "--log-dir", str(tmp_path / "eval"),
+                  "--env-config", str(ROOT / "config.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "1 games, mean" in r.stdout
+
+
+def ga3c_fault_args(tmp_path, *extra):
+    return [*GA3C, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"), "--max-steps", "0",
+            "--max-episode-length", "300", "--test-every-steps", "2000", "--checkpoint-every-seconds", "0.5",
+            "--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *extra]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_a_ga3c_run_and_leaves_nothing(launch, tmp_path, sig, code):  # noqa: F811
+    run = launch(ga3c_fault_args(tmp_path))
+    wait_for_steps(run, tmp_path, minimum=20)
+    t = time.monotonic()
+    run.proc.send_signal(sig)
+    check_end(run, t, {code})
+    saved = load_saved(models_dir(tmp_path))
+    assert saved[f"{ENV_ID}.ckpt"]["global_steps"] >= 20 and "ga3c_updates" in saved[f"{ENV_ID}.ckpt"]
+
+
+@pytest.mark.parametrize("role", ["ga3c server", "ga3c agent 1"])
+def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa: F811
+    run = launch(ga3c_fault_args(tmp_path))
+    victim = run.role(role)
+    wait_for_steps(run, tmp_path, minimum=20)
+    t = time.monotonic()
+    victim.kill()
+    check_end(run, t, {1})
+    assert f"{role} exited unexpectedly" in run.stdout(), run.tail()
+    assert f"{ENV_ID}.ckpt" in load_saved(models_dir(tmp_path))
+
+
+def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path):  # noqa: F811
+    fired = tmp_path / "fired"
+    run = launch(ga3c_fault_args(tmp_path), env={
+        "PYTHONPATH": str(ROOT / "tests" / "fault_hooks"), "A3G_FAULT": "short_error",
+        "A3G_FAULT_ROLE": "a3g ga3c server", "A3G_FAULT_AFTER": "2", "A3G_FAULT_FIRED": str(fired)})
+    run.poll_until(fired.exists, START_SECONDS, "the injected trainer failure")
+    check_end(run, time.monotonic(), {1}, traceback_ok=True)
+    out = run.stdout()
+    assert "ga3c server failed" in out and "the trainer 0 thread failed" in out and "injected" in out, run.tail()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--agents", "0"], "--agents must be >= 1, got 0"),
+    (["--predict-batch", "0"], "--predict-batch must be >= 1, got 0"),
+    (["--envs-per-agent", "-2", "--trainers", "0"], "--envs-per-agent must be >= 1, got -2"),
+    (["--is-clip", "-1"], "--is-clip must be > 0 (or 0 = off), got -1"),
+    (["--dynamic", "--agents", "3", "--dynamic-max", "2", "2", "2"], "--dynamic-max: the bound for agents (2) is "
+                                                                     "below --agents 3"),
+    (["--mode", "ga2c"], "argument --mode: invalid choice: 'ga2c'"),
+])
+def test_bad_ga3c_flags_are_one_line_each_and_exit_2(tmp_path, flags, message):
+    r = run_entry("main.py", "--mode", "ga3c", *flags, *dirs(tmp_path), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert all(line.startswith("main.py: error: ") for line in r.stderr.splitlines())
+    assert not (tmp_path / "models").exists() and not (tmp_path / "logs").exists()
+
+
+def test_trainers_and_predictors_check_their_flags_in_either_mode(tmp_path):
+    r = run_entry("main.py", "--trainers", "0", *dirs(tmp_path), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "--trainers must be >= 1, got 0" in r.stderr
+
+
+
+def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_path):
+    r = run_entry("main.py", *GA3C, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"),
+                  "--max-steps", "0", "--max-seconds", "45", "--status-every-seconds", "4", "--dynamic",
+                  "--dynamic-seconds", "3", "--dynamic-max", "2", "2", "3", *dirs(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    events = re.findall(r"\[dynamic\] (.*)", r.stdout)
+    assert events and re.match(r"NT 1 NP 1 NA 2: \d+ trained steps/s", events[0]), r.stdout[-3000:]
+    tried = [tuple(map(int, m)) for m in re.findall(r"try NT (\d+) NP (\d+) NA (\d+)", r.stdout)]
+    assert tried and all(1 <= nt <= 2 and 1 <= np_ <= 2 and 1 <= na <= 3 for nt, np_, na in tried)
+    shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+)$", r.stdout, re.MULTILINE)}
+    assert len(shown) >= 2  # the status lines saw more than one setting
+    assert "exited unexpectedly" not in r.stdout
