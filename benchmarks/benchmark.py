@@ -15,7 +15,13 @@ Prints, in one run on this machine:
 5. plain training: upstream's worker loop (the plain model and step above, with the environment, the sampled
    actions, a state_dict copy per rollout and the shared Adam) in N processes, over the same window;
 6. the ratios: training / environment, training / (N x plain reference rate), training / plain training, and
-   the plain reference step cost / this model's step cost.
+   the plain reference step cost / this model's step cost;
+7. GA3C mode (``main.py --mode ga3c``: the server's predictor and trainer threads, the agents, the monitor) over
+   the same warm-up and window, with its flags from ``--ga3c-flags``: steps/s, trained steps/s, updates/s, the
+   policy lag, and GA3C / A3G;
+8. the fraction of the machine's compute roof each mode reaches: model FLOPs per training step (acting forward,
+   training forward and backward, counted by torch's FLOP counter) x steps/s, over this core's single-thread
+   fp32 matrix-multiply rate x the cores.
 Runs vary by 15-25% on shared machines: compare the ratios within one run.
 
 The training processes write their logs, CSV and model (the monitor's ``<env>.dat``) to ``--out-dir``; by default
@@ -174,6 +180,91 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
         raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "rss_mib_start": rss[0], "rss_mib_end": rss[-1], "gpu": summarize_gpu_samples(gpu)}
+
+
+def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
+    """Run the real GA3C processes (as ``main.py --mode ga3c`` does: the server, the agents and the monitor) and
+    count global steps, updates and trained transitions over ``window`` seconds."""
+    import logging
+
+    from environment import num_actions
+    from ga3c.run import Ga3cRun
+    from main import shutdown
+
+    ctx = mp.get_context("spawn")
+    shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
+    shared.share_memory()
+    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+    log = logging.getLogger("benchmark.ga3c")
+    log.addHandler(logging.NullHandler())
+    log.propagate = False
+    mode = Ga3cRun(args, shared, optimizer, log)
+    run = mode.run
+    procs = mode.launch(ctx)
+    try:
+        _wait_for_first_steps(lambda: mode.counters.version, [p for _, p in procs])
+        deadline = time.perf_counter() + warmup
+        while time.perf_counter() < deadline:
+            mode.tick(time.time())
+            time.sleep(0.2)
+        s0, u0, n0, t0 = run.global_steps.value, mode.counters.version, mode.trained_steps(), time.perf_counter()
+        lag0 = mode.counters.lag_hist.sum(0).clone()
+        rss = []
+        deadline = t0 + window
+        while time.perf_counter() < deadline:
+            for _ in range(25):
+                mode.tick(time.time())
+                time.sleep(min(0.2, max(0.0, deadline - time.perf_counter())))
+            rss.append({role: psutil.Process(p.pid).memory_info().rss / 2 ** 20 for role, p in procs if p.is_alive()})
+        s1, u1, n1, t1 = run.global_steps.value, mode.counters.version, mode.trained_steps(), time.perf_counter()
+        lag_mean, lag_max, _ = mode.counters.lag_summary(lag0)
+        dead = [role for role, p in procs if not p.is_alive()]
+    finally:
+        shutdown(procs, run, slot_of=mode.slot_of)
+        mode.close()
+    if dead:
+        raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
+    return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
+            "updates_per_s": (u1 - u0) / (t1 - t0), "trained_steps_per_s": (n1 - n0) / (t1 - t0),
+            "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
+            "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+
+
+def model_flops_per_step(num_steps: int = 20) -> dict:
+    """Model FLOPs of one training agent step (torch's FLOP counter: matrix products and convolutions): the
+    acting forward (batch 1), and the training forward and backward over a rollout, per step. Both modes are
+    charged all three, whatever they skip (A3G's update replays the saved conv activations): this is the work
+    the algorithm needs, so the fraction of the compute roof compares the modes' throughput fairly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = A3Clstm(1, 6)
+    frames = torch.randn(num_steps, 1, 80, 80)
+    state = model.initial_state()
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model(frames[:1], state)
+    act = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc:
+        values, logits = model.unroll(frames, state)
+    fwd = fc.get_total_flops() / num_steps
+    with FlopCounterMode(display=False) as fc:
+        (values.sum() + logits.sum()).backward()
+    bwd = fc.get_total_flops() / num_steps
+    return {"acting_forward": act, "training_forward": fwd, "training_backward": bwd, "total": act + fwd + bwd}
+
+
+def matmul_gflops(size: int = 1024, repeats: int = 10, rounds: int = 3) -> float:
+    """This core's single-thread fp32 matrix-multiply rate (the best of ``rounds``), GFLOP/s."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(2):
+        a @ b
+    best = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = max(best, 2 * size ** 3 * repeats / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def _plain_worker(env_id: str, config: str, shared: A3Clstm, optimizer, rank: int, counter, stop) -> None:
@@ -376,6 +467,10 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-seconds", type=float, default=15.0, help="seconds of environment-only stepping")
     p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
     p.add_argument("--repeats", type=int, default=3, help="alternated rounds of the step-cost timings (median)")
+    p.add_argument("--ga3c-flags", default="",
+                   help="main.py flags for the GA3C-mode measurement, in one string (default: main.py's GA3C "
+                        "defaults), e.g. \"--agents 2 --envs-per-agent 8 --train-batch 4\"")
+    p.add_argument("--no-ga3c", dest="ga3c", action="store_false", help="skip the GA3C-mode measurement")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--out-dir", default=None,
                    help="folder for the training processes' logs, CSV and model (default: a temporary folder, "
@@ -438,6 +533,39 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
             f"{k} {v:.0f}" for k, v in g["process_memory_mib_max"].items()), flush=True)
     elif any(i >= 0 for i in opts.gpu_ids):
         print("GPU utilisation and memory: not read (no working nvidia-smi)", flush=True)
+    res["model_mflop_per_step"] = {k: v / 1e6 for k, v in model_flops_per_step().items()}
+    res["matmul_gflops_1_thread"] = matmul_gflops()
+    roof = res["matmul_gflops_1_thread"] * (os.cpu_count() or 1)
+    flop = res["model_mflop_per_step"]["total"] * 1e6
+    res["roof_fraction_a3g"] = tr["steps_per_s"] * flop / (roof * 1e9)
+    print(f"model per training step: acting forward {res['model_mflop_per_step']['acting_forward']:.0f} + "
+          f"training forward {res['model_mflop_per_step']['training_forward']:.0f} + backward "
+          f"{res['model_mflop_per_step']['training_backward']:.0f} = {flop / 1e6:.0f} MFLOP; fp32 matmul "
+          f"{res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread x {os.cpu_count()} cores", flush=True)
+    print(f"A3G mode: {res['roof_fraction_a3g']:.2f} of the compute roof", flush=True)
+    if opts.ga3c:
+        import shlex
+        gargs = build_parser().parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
+                                           "--gpu-ids", *map(str, opts.gpu_ids), "--log-dir", str(out_dir / "ga3c"),
+                                           "--save-model-dir", str(out_dir / "ga3c"), *shlex.split(opts.ga3c_flags)])
+        gargs.env_config = args.env_config
+        from config import validate
+        problems = [e for e in validate(gargs) if "save-model-dir" not in e]
+        if problems:
+            raise SystemExit("benchmark.py: error: --ga3c-flags: " + "; ".join(problems))
+        g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
+        g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
+                                                     "predict_batch", "train_batch", "queue_size", "num_steps")}
+        res["roof_fraction_ga3c"] = g["steps_per_s"] * flop / (roof * 1e9)
+        res["ga3c_over_a3g"] = g["steps_per_s"] / tr["steps_per_s"]
+        print(f"GA3C mode ({' '.join(f'{k}={v}' for k, v in g['flags'].items())}) + monitor: "
+              f"{g['steps_per_s']:.0f} steps/s, {g['trained_steps_per_s']:.0f} trained steps/s, "
+              f"{g['updates_per_s']:.1f} updates/s, policy lag mean {g['policy_lag_mean']:.2f} max "
+              f"{g['policy_lag_max']}; {res['roof_fraction_ga3c']:.2f} of the compute roof; "
+              f"GA3C / A3G {res['ga3c_over_a3g']:.2f}x", flush=True)
+        print("GA3C resident memory MiB (start -> end of window): " + ", ".join(
+            f"{k} {g['rss_mib_start'][k]:.0f} -> {g['rss_mib_end'].get(k, float('nan')):.0f}"
+            for k in g["rss_mib_start"]), flush=True)
     plain_rate = opts.workers * 1000.0 / res["plain_step_ms"]
     res["ratios"] = {
         "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
