@@ -119,9 +119,14 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-batch", type=int, default=4,
                    help="segments of --num-steps transitions per update (GA3C TRAINING_MIN_BATCH_SIZE counts "
                         "transitions; default: %(default)s)")
-    g.add_argument("--queue-size", type=int, default=100,
-                   help="finished segments waiting for a trainer; a full queue slows the agents (GA3C "
-                        "MAX_QUEUE_SIZE; default: %(default)s)")
+    g.add_argument("--queue-size", type=int, default=8,
+                   help="finished segments waiting for a trainer; a full queue holds the agents back, so it bounds "
+                        "the policy lag and the memory of saved activations (about 0.9 MB a frame) (GA3C "
+                        "MAX_QUEUE_SIZE, 100 segments of 5 steps; default: %(default)s)")
+    g.add_argument("--replay-activations", action=BoolFlag, default=True,
+                   help="trainers take the conv activations the predictors computed instead of running the "
+                        "convolutions again (faster; the conv gradients are then those of the weights that acted, up "
+                        "to the policy lag); --no-replay-activations recomputes them, as GA3C (default: on)")
     g.add_argument("--is-clip", type=float, default=0.0,
                    help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
                         "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")

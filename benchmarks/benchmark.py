@@ -471,6 +471,9 @@ def benchmark_parser() -> argparse.ArgumentParser:
                    help="main.py flags for the GA3C-mode measurement, in one string (default: main.py's GA3C "
                         "defaults), e.g. \"--agents 2 --envs-per-agent 8 --train-batch 4\"")
     p.add_argument("--no-ga3c", dest="ga3c", action="store_false", help="skip the GA3C-mode measurement")
+    p.add_argument("--modes-only", action="store_true",
+                   help="measure only the two modes' training (A3G, GA3C) and the compute roof: no step costs, "
+                        "environment-only or plain-training parts")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--out-dir", default=None,
                    help="folder for the training processes' logs, CSV and model (default: a temporary folder, "
@@ -486,17 +489,8 @@ def main(argv=None) -> int:
         return run(opts, Path(tmp))
 
 
-def run(opts: argparse.Namespace, out_dir: Path) -> int:
-    """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
-    torch.set_num_threads(1)
-    args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
-                                      "--gpu-ids", *map(str, opts.gpu_ids),
-                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
-    args.env_config = str(ROOT / "config.json")
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
-    print(f"machine: {res['machine']}", flush=True)
+def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) -> None:
+    """Parts 1, 3, 4 and 5: the step costs, the environment alone, upstream's plain training."""
     rounds = {"plain": [], "plain_keep_freed": [], "ours": []}
     for _ in range(opts.repeats):  # alternated, so that a slow spell of a shared machine hits all three
         rounds["plain"].append(measure_isolated("plain_step_ms", opts.rollouts, keep_freed=False))
@@ -518,6 +512,21 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
                                                                    opts.warmup, opts.window)
     print(f"plain training (upstream's worker loop), {opts.workers} workers: "
           f"{res['plain_training_steps_per_s']:.0f} steps/s", flush=True)
+
+
+def run(opts: argparse.Namespace, out_dir: Path) -> int:
+    """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
+    torch.set_num_threads(1)
+    args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
+                                      "--gpu-ids", *map(str, opts.gpu_ids),
+                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
+    args.env_config = str(ROOT / "config.json")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
+    print(f"machine: {res['machine']}", flush=True)
+    if not opts.modes_only:
+        base_costs(opts, args, res)
     res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
     tr = res["training"]
     print(f"training, {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
@@ -566,20 +575,22 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         print("GA3C resident memory MiB (start -> end of window): " + ", ".join(
             f"{k} {g['rss_mib_start'][k]:.0f} -> {g['rss_mib_end'].get(k, float('nan')):.0f}"
             for k in g["rss_mib_start"]), flush=True)
-    plain_rate = opts.workers * 1000.0 / res["plain_step_ms"]
-    res["ratios"] = {
-        "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
-        "training_over_plain": tr["steps_per_s"] / plain_rate,
-        "training_over_plain_training": tr["steps_per_s"] / res["plain_training_steps_per_s"],
-        "plain_over_ours_step_cost": res["plain_step_ms"] / o["total_ms"],
-        "plain_keep_freed_over_ours_step_cost": res["plain_keep_freed_step_ms"] / o["total_ms"],
-    }
-    r = res["ratios"]
-    print(f"ratios: training / environment {r['training_over_env']:.3f}; training / ({opts.workers} x plain rate "
-          f"{plain_rate:.0f}) {r['training_over_plain']:.2f}x; training / plain training "
-          f"{r['training_over_plain_training']:.2f}x; plain / our model step cost "
-          f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
-          f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
+    if not opts.modes_only:
+        o = res["ours"]
+        plain_rate = opts.workers * 1000.0 / res["plain_step_ms"]
+        res["ratios"] = {
+            "training_over_env": tr["steps_per_s"] / res["env_steps_per_s"],
+            "training_over_plain": tr["steps_per_s"] / plain_rate,
+            "training_over_plain_training": tr["steps_per_s"] / res["plain_training_steps_per_s"],
+            "plain_over_ours_step_cost": res["plain_step_ms"] / o["total_ms"],
+            "plain_keep_freed_over_ours_step_cost": res["plain_keep_freed_step_ms"] / o["total_ms"],
+        }
+        r = res["ratios"]
+        print(f"ratios: training / environment {r['training_over_env']:.3f}; training / ({opts.workers} x plain "
+              f"rate {plain_rate:.0f}) {r['training_over_plain']:.2f}x; training / plain training "
+              f"{r['training_over_plain_training']:.2f}x; plain / our model step cost "
+              f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
+              f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {opts.json}")

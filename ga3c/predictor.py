@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ga3c.buffers import Backoff, EnvSlots
-from ga3c.segment import Segment, SegmentBuilder
+from ga3c.segment import Segment, SegmentBuilder, activation_rows
+from model import ActivationCache
 from player_util import sync_weights
 
 
@@ -73,7 +74,7 @@ class Predictor:
     def __init__(self, model, buffers: EnvSlots, slots, states: SlotStates, *, num_steps: int,
                  predict_batch: int, counters=None, index: int = 0, sink=None,
                  device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False,
-                 open_segments: dict | None = None, sync_every: int = 1):
+                 open_segments: dict | None = None, sync_every: int = 1, save_activations: bool = False):
         self.model = model
         self.buffers = buffers
         self.slots = torch.as_tensor(list(slots), dtype=torch.int64)
@@ -90,6 +91,7 @@ class Predictor:
         # Open segments by slot; predictors that replace this one (``Server.set_counts``) take the same dict over.
         self.open: dict[int, SegmentBuilder] = {} if open_segments is None else open_segments
         self.sync_every = sync_every
+        self.save_activations = save_activations and sink is not None
         self._next = 0  # round-robin start, an index into self.slots
         self._synced = -1
         self.predictions = 0
@@ -120,7 +122,13 @@ class Predictor:
         if bool(starts.any()):
             self.states.reset(state_slots[starts.to(self.states.device)])
         state = tuple(t.to(self.device) for t in self.states.get(state_slots))
-        value, logits, new_state = self.model(req["obs"].to(self.device), state)
+        cache = ActivationCache() if self.save_activations else None
+        obs = req["obs"].to(self.device)
+        if cache is None:
+            value, logits, new_state = self.model(obs, state)
+        else:  # the conv blocks' activations are kept for the trainer (no LSTM gates: it runs the LSTM again)
+            new_state = self.model.lstm(self.model.features(obs, cache), state)
+            value, logits = self.model.heads(new_state[0])
         self.states.put(state_slots, tuple(t.to(self.states.device) for t in new_state))
         probs = F.softmax(logits, dim=1)
         if self.greedy:
@@ -133,10 +141,10 @@ class Predictor:
         if self.counters is not None:
             self.counters.add_predictions(self.index, slots.numel())
         if self.sink is not None:
-            self._record(slots, req, state, value.squeeze(1).cpu(), actions.cpu(), mu.cpu(), version)
+            self._record(slots, req, state, value.squeeze(1).cpu(), actions.cpu(), mu.cpu(), version, cache)
         return PredictionBatch(slots, value.squeeze(1), logits, actions, version)
 
-    def _record(self, slots, req, state, values, actions, mu, version) -> None:
+    def _record(self, slots, req, state, values, actions, mu, version, cache=None) -> None:
         """Segment bookkeeping for the served slots: the previous step's outcome, closing, the new step."""
         rewards, term, trunc = req["reward"].tolist(), req["terminated"].tolist(), req["truncated"].tolist()
         starts, final = req["episode_start"].tolist(), req["final"].tolist()
@@ -161,7 +169,8 @@ class Predictor:
             if seg is None:
                 seg = SegmentBuilder(slot, (state[0][j: j + 1].cpu(), state[1][j: j + 1].cpu()))
                 self.open[slot] = seg
-            seg.add_step(req["obs"][j], int(actions[j]), float(mu[j]), version)
+            seg.add_step(req["obs"][j], int(actions[j]), float(mu[j]), version,
+                         None if cache is None else activation_rows(cache, j))
 
     def run(self, stop, max_batches: int | None = None) -> int:
         """Serve until ``stop.is_set()`` (or ``max_batches`` batches); returns the number of predictions made."""

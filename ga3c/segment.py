@@ -9,13 +9,42 @@ behaviour probability ``mu``, model version) and closes the segment when the ste
 - at a truncation (time limit): bootstrap from V of the truncated episode's last observation (the agent sends it
   as a ``final`` request, see ``buffers``).
 
-The LSTM state at the segment's first step travels with it, so a trainer can replay the segment from there.
+The LSTM state at the segment's first step travels with it, so a trainer can replay the segment from there. With
+``acts``, so do the conv activations the predictor computed for each frame (``ACT_FIELDS``): the trainer then
+computes the conv gradients from them instead of running the convolutions again (``trainer.batched_unroll``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# The conv activations saved per frame, each a batch-first tensor: the encoder's input, then each of the four conv
+# blocks' max-pool indices and output (a block's input is the previous block's output, stored once).
+ACT_FIELDS = ("input", "indices1", "output1", "indices2", "output2", "indices3", "output3", "indices4", "output4")
+
+
+def activation_rows(cache, j: int) -> list[torch.Tensor]:
+    """Row ``j`` of a batched forward's ``model.ActivationCache`` (one step of 4 conv blocks), as ``ACT_FIELDS``
+    views of one row each."""
+    (step,) = cache.steps
+    rows = [step[0][0][j: j + 1]]
+    for _, indices, output in step:
+        rows += [indices[j: j + 1], output[j: j + 1]]
+    return rows
+
+
+def conv_blocks(acts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``ACT_FIELDS`` tensors as ``model._Replay``'s blocks ``[(input, indices, output)] * 4``."""
+    return [(acts[2 * k], acts[2 * k + 1], acts[2 * k + 2]) for k in range(4)]
+
+
+def cat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate batch-first rows, keeping channels-last 4-d tensors channels-last."""
+    out = torch.cat(rows)
+    if out.dim() == 4 and rows[0].is_contiguous(memory_format=torch.channels_last):
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
 
 
 @dataclass
@@ -34,6 +63,7 @@ class Segment:
     terminated: bool
     truncated: bool
     bootstrap: float
+    acts: list[torch.Tensor] | None = None  # ACT_FIELDS, each (L, ...), or None
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])
@@ -56,6 +86,7 @@ class SegmentBuilder:
         self.mu: list[float] = []
         self.versions: list[int] = []
         self.rewards: list[float] = []
+        self.acts: list[list[torch.Tensor]] = []
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -65,7 +96,10 @@ class SegmentBuilder:
         """True while the last step's outcome (reward, flags) is unknown."""
         return len(self.rewards) < len(self.actions)
 
-    def add_step(self, frame: torch.Tensor, action: int, mu: float, version: int) -> None:
+    def add_step(self, frame: torch.Tensor, action: int, mu: float, version: int,
+                 acts: list[torch.Tensor] | None = None) -> None:
+        if acts is not None:
+            self.acts.append(acts)
         self.frames.append(frame)
         self.actions.append(action)
         self.mu.append(mu)
@@ -87,4 +121,6 @@ class SegmentBuilder:
             terminated=terminated,
             truncated=truncated,
             bootstrap=0.0 if terminated else float(bootstrap),
+            acts=([cat_rows([a[i] for a in self.acts]) for i in range(len(ACT_FIELDS))]
+                  if len(self.acts) == len(self.actions) else None),
         )

@@ -109,7 +109,8 @@ class Server:
                 model, self.buffers, range(p, self.buffers.num_slots, n), self.states,
                 num_steps=self.settings.num_steps, predict_batch=self.settings.predict_batch,
                 counters=self.counters, index=p, sink=sink, device=device, source=source, seed=self.seed + p,
-                open_segments=self.open_segments, sync_every=self.sync_every))
+                open_segments=self.open_segments, sync_every=self.sync_every,
+                save_activations=self.settings.replay_activations))
 
     def _add_trainer(self) -> Trainer:
         t = len(self.trainers)

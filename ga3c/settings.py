@@ -11,13 +11,14 @@ class Ga3cSettings:
     num_steps: int = 20  # transitions per segment (A3C's --num-steps; GA3C's TIME_MAX is 5)
     predict_batch: int = 128  # most observations in one prediction batch (GA3C PREDICTION_BATCH_SIZE)
     train_batch: int = 4  # segments per update (GA3C: 0 = one segment; authors recommend 20-40 transitions)
-    queue_size: int = 100  # closed segments waiting for a trainer (GA3C MAX_QUEUE_SIZE); full = back-pressure
+    queue_size: int = 8  # closed segments waiting for a trainer (GA3C MAX_QUEUE_SIZE); full = back-pressure
     gamma: float = 0.99
     tau: float = 1.0  # GAE lambda
     entropy_coef: float = 0.01
     value_coef: float = 0.5
     is_clip: float | None = None  # truncated importance weight min(pi/mu, is_clip); None = plain GA3C
     max_grad_norm: float = 0.0  # 0 = no clipping (upstream A3G)
+    replay_activations: bool = True  # trainers reuse the predictors' conv activations (no second conv forward)
 
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":

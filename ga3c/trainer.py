@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from ga3c.batch_losses import batched_a3c_loss, flat_index, padded
-from ga3c.segment import Segment
+from ga3c.segment import ACT_FIELDS, Segment, cat_rows, conv_blocks
 from ga3c.settings import Ga3cSettings
 from losses import A3CLoss
-from model import A3Clstm
+from model import A3Clstm, _Replay
 from player_util import GradientHandoff, sync_weights
 
 
@@ -51,6 +51,7 @@ class Batch:
     bootstrap: torch.Tensor
     hx: torch.Tensor
     cx: torch.Tensor
+    acts: list[torch.Tensor] | None = None  # the saved conv activations (segment.ACT_FIELDS), when every segment has them
 
     @property
     def num_segments(self) -> int:
@@ -76,14 +77,25 @@ def assemble(segments: list[Segment], device: torch.device | str = "cpu") -> Bat
         bootstrap=torch.tensor([s.bootstrap for s in segments], dtype=torch.float32, device=device),
         hx=torch.cat([s.state[0] for s in segments]).to(device),
         cx=torch.cat([s.state[1] for s in segments]).to(device),
+        acts=([cat_rows([s.acts[i] for s in segments]).to(device) for i in range(len(ACT_FIELDS))]
+              if all(s.acts is not None for s in segments) else None),
     )
 
 
 def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``values (S,)``, ``logits (S, A)`` of every step of every segment (see the module docstring); equal to
-    stepping each segment through ``A3Clstm.forward`` from its initial state, gradients included (tested)."""
+    stepping each segment through ``A3Clstm.forward`` from its initial state, gradients included (tested).
+
+    With ``batch.acts`` (``--replay-activations``) the convolutions do not run again: the features are the ones
+    the predictor computed, and the conv gradients come from its saved activations (``model._Replay``, as an
+    A3G worker's update). They are then the gradients at the weights that acted on each frame, up to the policy
+    lag; with no lag, exactly those of a fresh forward (tested)."""
     index = flat_index(batch.lengths)
-    feats = model.features(batch.frames)
+    if batch.acts is None:
+        feats = model.features(batch.frames)
+    else:  # the conv features the predictor computed; backward runs the conv blocks' backward from its activations
+        convs = model.convs()
+        feats = _Replay.apply(conv_blocks(batch.acts), convs, *[p for c in convs for p in (c.weight, c.bias)])
     x = padded(feats, batch.lengths, index)  # (B, T, 1024)
     lstm = model.lstm
     out, _, _ = torch.lstm(x, (batch.hx.unsqueeze(0), batch.cx.unsqueeze(0)),

@@ -12,7 +12,7 @@ from ga3c.agent import AgentStepper, EnvRunner
 from ga3c.buffers import EnvSlots
 from ga3c.predictor import Predictor, SlotStates
 from ga3c.stats import Ga3cCounters
-from model import A3Clstm
+from model import A3Clstm, ActivationCache
 
 H, A = 32, 6
 
@@ -21,13 +21,13 @@ def close(a, b):
     return torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def make(model, n, *, num_steps=5, predict_batch=None, greedy=False):
+def make(model, n, *, num_steps=5, predict_batch=None, greedy=False, save_activations=False):
     buffers = EnvSlots(n)
     states = SlotStates(n, model.hidden_size)
     segments = []
     counters = Ga3cCounters(1, 1, 1)
     pred = Predictor(model, buffers, range(n), states, num_steps=num_steps, predict_batch=predict_batch or n,
-                     counters=counters, sink=segments.append, greedy=greedy)
+                     counters=counters, sink=segments.append, greedy=greedy, save_activations=save_activations)
     return buffers, states, pred, segments, counters
 
 
@@ -166,12 +166,13 @@ def expected_segments(model, env, num_steps):
     return out
 
 
-def test_segments_match_a_batch_1_replay_of_each_episode():
+@pytest.mark.parametrize("save_activations", [False, True])
+def test_segments_match_a_batch_1_replay_of_each_episode(save_activations):
     torch.manual_seed(3)
-    model = A3Clstm(1, A, H)
+    model = A3Clstm(1, A, H).channels_last() if save_activations else A3Clstm(1, A, H)
     scripts = [[(7, "term"), (4, "trunc"), (5, "term"), (10, "trunc")], [(3, "trunc"), (12, "term"), (1, "term")],
                []]
-    buffers, _, pred, segments, counters = make(model, 3, num_steps=5)
+    buffers, _, pred, segments, counters = make(model, 3, num_steps=5, save_activations=save_activations)
     envs = [ScriptEnv(s, scripts[s]) for s in range(3)]
     stepper = AgentStepper(0, [EnvRunner(s, envs[s], buffers) for s in range(3)], buffers, counters)
     stepper.begin()
@@ -192,6 +193,17 @@ def test_segments_match_a_batch_1_replay_of_each_episode():
             assert close(seg.mu, w["mu"])
             assert close(seg.state[0], w["state"][0]) and close(seg.state[1], w["state"][1])
             assert seg.versions.tolist() == sorted(seg.versions.tolist())
+            if save_activations:  # each frame's conv activations, as a batched forward of the segment computes them
+                cache = ActivationCache()
+                with torch.no_grad():
+                    model.features(seg.frames, cache)
+                (step,) = cache.steps
+                want_acts = [step[0][0]] + [t for _, indices, output in step for t in (indices, output)]
+                assert [a.shape for a in seg.acts] == [a.shape for a in want_acts]
+                assert all(close(a.float(), b.float()) for a, b in zip(seg.acts, want_acts))
+                assert seg.acts[2].is_contiguous(memory_format=torch.channels_last)
+            else:
+                assert seg.acts is None
         assert all(seg.bootstrap == 0.0 for seg in got if seg.terminated)
     steps = sum(len(ep["actions"]) for env in envs for ep in env.episodes)
     assert stepper.steps == counters.steps == steps  # every agent step counted once

@@ -10,12 +10,12 @@ import torch
 
 from ga3c.batch_losses import (batched_returns_advantages, flat_index, importance_weights, padded,
                                segment_loss)
-from ga3c.segment import Segment
+from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows
 from ga3c.settings import Ga3cSettings
 from ga3c.stats import Ga3cCounters
 from ga3c.trainer import Trainer, assemble, batch_loss, batched_unroll
 from losses import a3c_loss, discounted_returns, gae_advantages
-from model import A3Clstm
+from model import A3Clstm, ActivationCache
 from shared_optim import make_optimizer
 
 KW = dict(gamma=0.99, tau=0.92, entropy_coef=0.01, value_coef=0.5)
@@ -134,6 +134,37 @@ def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip):
     assert loss.total.item() == pytest.approx(ref_total, rel=1e-4)
     if is_clip is not None:
         assert (w == is_clip).any() and (w < is_clip).any()  # some weights clipped, some not
+    for (name, p), g in zip(fast.named_parameters(), ref_grads):
+        assert close(p.grad, g), name
+
+
+@pytest.mark.parametrize("is_clip", [None, 1.2])
+def test_replayed_activations_give_the_fresh_gradient_when_the_weights_did_not_move(is_clip, monkeypatch):
+    """--replay-activations: the conv activations saved by a predictor's batched forward, split into rows and
+    reassembled per segment, give the same loss and gradients as running the convolutions again (no policy lag);
+    the convolutions do not run forward in the update."""
+    torch.manual_seed(0)
+    ref = A3Clstm(1, A, H)
+    segments = random_segments(LENGTHS, ENDS)
+    ref_total, ref_grads = per_segment_reference(ref, segments, is_clip)
+    fast = A3Clstm(1, A, H).channels_last()
+    fast.load_state_dict(ref.state_dict())
+    frames = torch.cat([s.frames for s in segments])
+    cache = ActivationCache()
+    with torch.no_grad():
+        fast.features(frames, cache)  # one batched forward over every frame, as a predictor's
+    rows = [activation_rows(cache, j) for j in range(frames.shape[0])]
+    k = 0
+    for s in segments:
+        s.acts = [cat_rows([r[i] for r in rows[k: k + len(s)]]) for i in range(len(ACT_FIELDS))]
+        k += len(s)
+    batch = assemble(segments)
+    assert batch.acts is not None and batch.acts[0].shape[0] == sum(LENGTHS)
+    for conv in fast.convs():
+        monkeypatch.setattr(conv, "forward", lambda *a: pytest.fail("a convolution ran forward in the update"))
+    loss, _ = batch_loss(fast, batch, Ga3cSettings(is_clip=is_clip, **KW))
+    loss.total.backward()
+    assert loss.total.item() == pytest.approx(ref_total, rel=1e-4)
     for (name, p), g in zip(fast.named_parameters(), ref_grads):
         assert close(p.grad, g), name
 
