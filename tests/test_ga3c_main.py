@@ -133,6 +133,7 @@ def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path)
     (["--dynamic", "--agents", "3", "--dynamic-max", "2", "2", "2"], "--dynamic-max: the bound for agents (2) is "
                                                                      "below --agents 3"),
     (["--mode", "ga2c"], "argument --mode: invalid choice: 'ga2c'"),
+    (["--distributed-step-size", "5", "10"], "--distributed-step-size is for A3G workers"),
 ])
 def test_bad_ga3c_flags_are_one_line_each_and_exit_2(tmp_path, flags, message):
     r = run_entry("main.py", "--mode", "ga3c", *flags, *dirs(tmp_path), cwd=tmp_path, timeout=120)
