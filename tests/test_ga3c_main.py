@@ -91,7 +91,7 @@ def ga3c_fault_args(tmp_path, *extra):
             "--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *extra]
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_stops_a_ga3c_run_and_leaves_nothing(launch, tmp_path, sig, code):  # noqa: F811
     run = launch(ga3c_fault_args(tmp_path))
     wait_for_steps(run, tmp_path, minimum=20)
@@ -102,7 +102,7 @@ def test_a_signal_stops_a_ga3c_run_and_leaves_nothing(launch, tmp_path, sig, cod
     assert saved[f"{ENV_ID}.ckpt"]["global_steps"] >= 20 and "ga3c_updates" in saved[f"{ENV_ID}.ckpt"]
 
 
-@pytest.mark.parametrize("role", ["ga3c server", "ga3c agent 1"])
+@pytest.mark.parametrize("role", ["ga3c server", pytest.param("ga3c agent 1", marks=pytest.mark.slow)])
 def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa: F811
     run = launch(ga3c_fault_args(tmp_path))
     victim = run.role(role)
@@ -125,33 +125,45 @@ def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path)
     assert "ga3c server failed" in out and "the trainer 0 thread failed" in out and "injected" in out, run.tail()
 
 
-@pytest.mark.parametrize("flags, message", [
+BAD_FLAGS = [
     (["--agents", "0"], "--agents must be >= 1, got 0"),
     (["--predict-batch", "0"], "--predict-batch must be >= 1, got 0"),
     (["--envs-per-agent", "-2", "--trainers", "0"], "--envs-per-agent must be >= 1, got -2"),
     (["--is-clip", "-1"], "--is-clip must be > 0 (or 0 = off), got -1"),
     (["--dynamic", "--agents", "3", "--dynamic-max", "2", "2", "2"], "--dynamic-max: the bound for agents (2) is "
                                                                      "below --agents 3"),
-    (["--mode", "ga2c"], "argument --mode: invalid choice: 'ga2c'"),
     (["--distributed-step-size", "5", "10"], "--distributed-step-size is for A3G workers"),
-])
-def test_bad_ga3c_flags_are_one_line_each_and_exit_2(tmp_path, flags, message):
-    r = run_entry("main.py", "--mode", "ga3c", *flags, *dirs(tmp_path), cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert all(line.startswith("main.py: error: ") for line in r.stderr.splitlines())
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_bad_ga3c_flags_are_reported(flags, message):
+    from config import build_parser, validate
+    errors = validate(build_parser().parse_args(["--mode", "ga3c", *flags]))
+    assert any(message in e for e in errors), errors
+
+
+def test_bad_ga3c_flags_are_one_line_each_exit_2_and_write_nothing(tmp_path):
+    r = run_entry("main.py", "--mode", "ga3c", "--agents", "0", "--predict-batch", "0", "--trainers", "0",
+                  *dirs(tmp_path), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == ["main.py: error: --agents must be >= 1, got 0",
+                                     "main.py: error: --trainers must be >= 1, got 0",
+                                     "main.py: error: --predict-batch must be >= 1, got 0"]
     assert not (tmp_path / "models").exists() and not (tmp_path / "logs").exists()
+    r = run_entry("main.py", "--mode", "ga2c", *dirs(tmp_path), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "argument --mode: invalid choice: 'ga2c'" in r.stderr
 
 
-def test_trainers_and_predictors_check_their_flags_in_either_mode(tmp_path):
-    r = run_entry("main.py", "--trainers", "0", *dirs(tmp_path), cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and "--trainers must be >= 1, got 0" in r.stderr
-
+def test_the_ga3c_flags_are_checked_in_either_mode():
+    from config import build_parser, validate
+    assert "--trainers must be >= 1, got 0" in validate(build_parser().parse_args(["--trainers", "0"]))
 
 
 def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_path):
     r = run_entry("main.py", *GA3C, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"),
-                  "--max-steps", "0", "--max-seconds", "45", "--status-every-seconds", "4", "--dynamic",
-                  "--dynamic-seconds", "3", "--dynamic-max", "2", "2", "3", *dirs(tmp_path), cwd=tmp_path)
+                  "--max-steps", "0", "--max-seconds", "35", "--status-every-seconds", "4", "--dynamic",
+                  "--dynamic-seconds", "2", "--dynamic-max", "2", "2", "3", *dirs(tmp_path), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     events = re.findall(r"\[dynamic\] (.*)", r.stdout)
     assert events and re.match(r"NT 1 NP 1 NA 2: \d+ trained steps/s", events[0]), r.stdout[-3000:]
