@@ -83,6 +83,26 @@ def test_tiny_run_writes_model_log_csv_then_resumes(tmp_path):
     assert rows2[: len(rows1)] == rows1 and len(rows2) == games2
     assert int(rows2[-1]["global_steps"]) >= steps1 + 150
 
+    # Normalisation restored into the workers and the monitor (issue 12, 6). A row's count is the number of frames
+    # that env has normalised since the first run started: one per step, one per reset, never fewer than its
+    # steps. Had the second run's processes started from zero, a row would hold only the second run's frames,
+    # short of (first run's count + second run's steps) by the first run's count (>= steps1 >= 150 over the
+    # workers, >= the first run's game lengths for the monitor) less the second run's few resets.
+    norm2 = ckpt2["norm_stats"]
+    assert norm.shape == norm2.shape == (3, 3)
+    assert norm[:2, 2].sum() >= steps1 and norm[2, 2] >= sum(int(row["length"]) for row in rows1)
+    assert (norm2[:, 2] >= norm[:, 2]).all(), (norm, norm2)  # no row went back to zero
+    # the workers: at least their new steps on top of the restored counts (less one rollout each in case a worker
+    # was stopped between counting its steps and storing its statistics)
+    new_steps = ckpt2["global_steps"] - steps1
+    slack = 2 * ckpt["config"]["num_steps"]
+    assert norm[:2, 2].sum() > 3 * slack  # so the slack cannot hide a restart from zero
+    assert norm2[:2, 2].sum() - norm[:2, 2].sum() >= new_steps - slack, (norm, norm2, new_steps)
+    # the monitor: at least the second run's game lengths on top of its restored count (its statistics are stored
+    # after each finished game, the last one included)
+    new_lengths = sum(int(row["length"]) for row in rows2[len(rows1):])
+    assert norm2[2, 2] - norm[2, 2] >= new_lengths, (norm, norm2, new_lengths)
+
 
 def test_target_score_stops_the_run_and_save_max_keeps_upstream_semantics(tmp_path):
     r = run_entry("main.py", *TINY, *dirs(tmp_path), "--target-score", "-21", "--score-window", "1",
@@ -238,3 +258,131 @@ def test_an_existing_model_is_never_overwritten_by_a_new_run(tmp_path, models):
     (line,) = bad(tmp_path)
     assert "PongNoFrameskip-v4.dat exists and this run would overwrite it: to continue training from it, pass --load" in line
     assert dat.read_bytes() == b"a trained model"
+
+
+# --------------------------------------------- a worker that stops at --max-steps is a clean stop (issue 12, 6a)
+class FakeProcess:
+    """Stands in for a started ``mp.Process`` in main's loop, in-process, with no training.
+
+    The monitor and a worker that keeps training stay alive until the run's stop flag is set. A ``finishing``
+    worker is alive the first time main asks; the second time, it counts its last ``last_steps`` steps into the
+    real shared counter and exits 0, both *at the moment main reads* ``is_alive()``: exactly a worker that counted
+    its last steps and exited on its own at the budget between two of main's reads. Main must read which
+    processes ended before it reads the counter; read the other way round, it sees the counter short of the
+    budget and then a worker that exited, and reports a crash.
+    """
+
+    def __init__(self, run, rank=None, last_steps=0):
+        self.run, self.rank, self.last_steps = run, rank, last_steps
+        self.exitcode = None
+        self.asked = 0
+        self.pid = 0
+
+    def is_alive(self):
+        self.asked += 1
+        if self.exitcode is None:
+            if self.last_steps and self.asked >= 2:
+                self.run.add_steps(self.rank, self.last_steps)  # counts its last steps, then exits
+                self.exitcode = 0
+            elif not self.last_steps and self.run.stop.is_set():
+                self.exitcode = 0  # stopped through the flag, as a real child does
+        return self.exitcode is None
+
+    def join(self, timeout=None):
+        self.is_alive()
+
+    def terminate(self):
+        if self.exitcode is None:
+            self.exitcode = -signal.SIGTERM
+
+    def kill(self):
+        if self.exitcode is None:
+            self.exitcode = -signal.SIGKILL
+
+    def close(self):
+        pass
+
+
+def in_process_args(tmp_path, *extra):
+    from config import build_parser, validate
+    args = build_parser().parse_args(["--workers", "2", *dirs(tmp_path), "--hidden-size", "32",
+                                      "--env-config", str(ROOT / "config.json"), *extra])
+    assert not validate(args)
+    return args
+
+
+def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_steps):
+    """main.run_training, in-process, with fake children: worker 0 and the monitor keep going, worker 1 counts
+    ``last_steps`` more and exits 0 on main's second look. Returns (exit code, main's log, fake processes)."""
+    import lifeline
+    import main
+
+    fakes = {}
+
+    def fake_launch(ctx, args, shared_model, optimizer, run, elapsed_offset=0.0, monitor=True):
+        run.add_steps(0, counted_before)
+        fakes.update({"monitor": FakeProcess(run), "worker 0": FakeProcess(run, 0),
+                      "worker 1": FakeProcess(run, 1, last_steps=last_steps)})
+        for slot in range(run.workers + 1):
+            run.mark_ready(slot)
+        return list(fakes.items())
+
+    def no_real_child(process):
+        raise AssertionError("run_training started a real child: main.launch is no longer where children start")
+
+    monkeypatch.setattr(main, "launch", fake_launch)
+    monkeypatch.setattr(lifeline, "start_child", no_real_child)  # never train for real if the fake is bypassed
+    args = in_process_args(tmp_path, "--max-steps", str(budget))
+    (tmp_path / "models").mkdir()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = main.run_training(args, [], lifeline.StopSignals(), 6, None, None, None)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        import logging
+        logger = logging.getLogger("main.PongNoFrameskip-v4")
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+    return code, (tmp_path / "logs/PongNoFrameskip-v4_train.log").read_text(), fakes
+
+
+def test_a_worker_that_counts_its_last_steps_and_exits_at_the_budget_is_a_clean_stop(tmp_path, monkeypatch):
+    """Issue 12, 6a: deterministic, on main's real loop (run_training with fake children): the worker's last
+    steps and its exit both happen between two of main's reads; the run must stop with 0 at --max-steps."""
+    code, log, fakes = run_training_with_fakes(tmp_path, monkeypatch, budget=100, counted_before=60, last_steps=40)
+    assert fakes["worker 1"].exitcode == 0 and fakes["worker 1"].asked >= 2  # the fake did exit under main's eyes
+    assert "exited unexpectedly" not in log, log
+    assert "stopped: reached --max-steps 100;" in log, log
+    assert code == 0, log
+    assert torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)["global_steps"] == 100
+
+
+def test_a_worker_that_exits_short_of_the_budget_is_still_a_crash(tmp_path, monkeypatch):
+    """The other side of the same decision: exit code 0 below the budget is not a normal stop."""
+    code, log, fakes = run_training_with_fakes(tmp_path, monkeypatch, budget=1000, counted_before=60, last_steps=40)
+    assert fakes["worker 1"].exitcode == 0
+    assert "stopped: worker 1 exited unexpectedly (exit code 0);" in log, log
+    assert code == 1, log
+
+
+def test_exited_unexpectedly_accepts_only_a_worker_at_the_budget(tmp_path):
+    from run_state import RunState
+    import main
+
+    class Ended:
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+        def is_alive(self):
+            return self.exitcode is None
+
+    mode = main.A3gRun(in_process_args(tmp_path), None, None, None)
+    ok, alive = Ended(0), Ended(None)
+    assert isinstance(mode.run, RunState)
+    assert main.exited_unexpectedly([("worker 0", alive), ("worker 1", ok)], mode, True) is None
+    assert main.exited_unexpectedly([("worker 1", ok)], mode, False) == ("worker 1", 0)
+    assert main.exited_unexpectedly([("worker 1", Ended(1))], mode, True) == ("worker 1", 1)
+    assert main.exited_unexpectedly([("worker 0", Ended(-9))], mode, True) == ("worker 0", -9)
+    assert main.exited_unexpectedly([("monitor", Ended(0))], mode, True) == ("monitor", 0)  # never expected

@@ -261,3 +261,38 @@ def test_the_learners_lstm_state_is_zeroed_after_a_lost_life_and_the_game_goes_o
     after = agent.rollout(10)
     assert ale.lives() == 4 and ale.getEpisodeFrameNumber() > frame  # the same game goes on: no real reset
     assert torch.count_nonzero(after.state[0]) == 0 and torch.count_nonzero(after.state[1]) == 0
+
+
+def test_a_worker_records_per_step_losses_for_the_status_line(tmp_path, monkeypatch):
+    """Issue 12, 6d: the status line says "per step", so a worker records each loss term divided by its rollout's
+    step count (not the rollout's sum, which would be ~num_steps times larger): checked against the loss terms
+    that the real update returned, over two updates (the first sets the average, the second is smoothed in)."""
+    import math
+
+    import train
+    from main import status_line
+    from run_state import EMA
+
+    seen = []
+    real_update = train.update
+
+    def recording_update(model, rollout, handoff, optimizer, args):
+        loss, grad_norm = real_update(model, rollout, handoff, optimizer, args)
+        seen.append((rollout.actions.shape[0], loss.policy.item(), loss.value.item(), loss.entropy.item(), grad_norm))
+        return loss, grad_norm
+
+    monkeypatch.setattr(train, "update", recording_update)
+    args = worker_args(tmp_path, num_steps=20)
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = RunState(1)
+    assert train.run_worker(0, args, shared, None, run, CPU, max_updates=2) == 2
+    assert len(seen) == 2 and all(s[0] > 1 for s in seen)  # a one-step rollout could not tell sum from mean
+    per_step = [[p / n, v / n, e / n, g] for n, p, v, e, g in seen]
+    expected = [EMA * a + (1 - EMA) * b for a, b in zip(*per_step)]
+    row = run.update_stats[0].tolist()
+    assert row[:2] == [2, sum(s[0] for s in seen)]  # updates, steps
+    assert row[2:] == pytest.approx(expected, rel=1e-9, abs=1e-12), (row, seen)
+    assert 0 < row[4] <= math.log(6) + 1e-6  # a per-step entropy of 6 actions; a rollout's sum is far above
+    line = status_line(run, 0.0)
+    assert f"per step: policy {expected[0]:.4f} value {expected[1]:.4f} entropy {expected[2]:.3f}" in line, line
