@@ -1,4 +1,5 @@
-"""A3G mode on CUDA (skipped without a GPU): workers on the GPU, the shared model and optimizer state on the CPU."""
+"""A3G and GA3C modes on CUDA (skipped without a GPU): workers, trainers and predictors on the GPU, the shared model
+and optimizer state on the CPU. The device-parametrised tests also run their checks on the CPU."""
 import pytest
 import torch
 
@@ -106,3 +107,68 @@ def test_gpu_request_without_cuda_is_a_clear_error():
         assert "CUDA is not available" in msg and "--gpu-ids -1" in msg
     assert validate_gpu_ids([-1]) == []
     assert validate_gpu_ids([-1, 0])
+
+
+# ---------------------------------------------------------------------------------------------- GA3C mode
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device):
+    """GA3C: a trainer on ``device`` copies the CPU shared weights, computes the batch's gradient there and hands
+    it to the CPU shared Adam; the shared weights after each update equal a CPU trainer's on the same batches."""
+    from ga3c.settings import Ga3cSettings
+    from ga3c.trainer import Trainer
+    from model import A3Clstm
+    from test_ga3c_trainer import random_segments
+
+    torch.manual_seed(0)
+    weights = A3Clstm(1, 6, 32).state_dict()
+    results = []
+    for dev in ("cpu", device):
+        shared = A3Clstm(1, 6, 32)
+        shared.load_state_dict(weights)
+        shared.share_memory()
+        opt = RecordingSharedAdam(shared.parameters(), lr=1e-3)
+        trainer = Trainer(shared, opt, Ga3cSettings(num_steps=5, train_batch=2), device=dev)
+        for seed in range(3):
+            trainer.update(random_segments([5, 3], ["cut", "term"], seed=seed))
+        assert all(p.device.type == "cpu" and p.is_shared() for p in shared.parameters())
+        assert all(d.type == "cpu" and same_layout for step in opt.applied for _, d, same_layout in step)
+        results.append(opt.after)
+    for cpu_step, dev_step in zip(*results):
+        for a, b in zip(cpu_step, dev_step):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@cuda
+def test_a_ga3c_predictor_on_the_gpu_acts_as_on_the_cpu():
+    from ga3c.buffers import EnvSlots
+    from ga3c.predictor import Predictor, SlotStates
+    from model import A3Clstm
+
+    torch.manual_seed(0)
+    shared = A3Clstm(1, 6, 32)
+    outs = []
+    for dev in ("cpu", "cuda:0"):
+        buffers = EnvSlots(3)
+        pred = Predictor(A3Clstm(1, 6, 32).to(dev), buffers, range(3), SlotStates(3, 32, dev), num_steps=5,
+                         predict_batch=3, device=dev, source=shared, greedy=True)
+        steps = []
+        for t in range(4):
+            for s in range(3):
+                buffers.submit(s, torch.full((1, 80, 80), 0.1 * (t + s)), episode_start=t == 0)
+            batch = pred.step()
+            steps.append((batch.values.cpu(), batch.logits.cpu(), buffers.action.clone()))
+        outs.append(steps)
+    for (v1, l1, a1), (v2, l2, a2) in zip(*outs):
+        assert torch.allclose(v1, v2, atol=1e-4) and torch.allclose(l1, l2, atol=1e-4) and torch.equal(a1, a2)
+
+
+@cuda
+def test_main_in_ga3c_mode(tmp_path):
+    gpus = ["0", "1"] if torch.cuda.device_count() > 1 else ["0"]
+    r = run_entry("main.py", "--mode", "ga3c", "--agents", "2", "--envs-per-agent", "4", "--gpu-ids", *gpus,
+                  "--max-steps", "600", "--test-every-steps", "300", "--log-dir", str(tmp_path / "logs"),
+                  "--save-model-dir", str(tmp_path / "models"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)
+    assert ckpt["global_steps"] >= 600 and ckpt["ga3c_updates"] > 0
+    assert all(v.device.type == "cpu" for v in ckpt["model"].values())
