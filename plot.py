@@ -34,6 +34,10 @@ def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
     return paths, errors
 
 
+class NoGamesYet(ValueError):
+    """A monitor CSV with its header and no game: skipped with a warning when other curves can be drawn."""
+
+
 def read_results(path: Path) -> dict:
     """GA3C's ``results.txt`` (``YYYY-MM-DD HH:MM:SS, score, length`` per game) as a curve."""
     from datetime import datetime
@@ -62,10 +66,15 @@ def read_curve(path: Path) -> dict:
         return read_results(path)
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    missing = {"global_steps", "score", "elapsed_s"} - set(rows[0].keys() if rows else [])
-    if not rows or missing:
-        raise ValueError(f"{path} is not a monitor CSV" + (f" (missing {', '.join(sorted(missing))})" if rows else
-                                                           " (no rows)"))
+    if not rows:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if {"global_steps", "score", "elapsed_s"} <= set(header):
+            raise NoGamesYet(f"{path} has no games yet (its run has not finished a monitor game)")
+        raise ValueError(f"{path} is not a monitor CSV (no rows)")
+    missing = {"global_steps", "score", "elapsed_s"} - set(rows[0].keys())
+    if missing:
+        raise ValueError(f"{path} is not a monitor CSV (missing {', '.join(sorted(missing))})")
     return {"steps": [int(r["global_steps"]) for r in rows], "score": [float(r["score"]) for r in rows],
             "hours": [float(r["elapsed_s"]) / 3600 for r in rows]}
 
@@ -113,12 +122,21 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
-    curves = []
+    curves, empty = [], []
     for path in paths:
         try:
             curves.append((path, read_curve(path)))
+        except NoGamesYet as e:
+            empty.append(str(e))
         except (ValueError, KeyError, OSError) as e:
             errors.append(str(e))
+    if empty and not curves and not errors:
+        errors += empty  # nothing to draw at all
+    elif empty and args.labels is None:
+        for e in empty:
+            print(f"{PROG}: warning: {e}; skipped", file=sys.stderr)
+    elif empty:
+        errors.append(f"{empty[0]}: it has a label in --labels; leave it out of the inputs or wait for a game")
     if errors:
         for e in errors:
             print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -149,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.grid(alpha=0.3)
     ax_steps.legend(loc="best", fontsize=8)
     run_names = [r for r in dict.fromkeys(runs) if r not in envs]
-    title = args.title or ", ".join(sorted(envs)) + (f": {', '.join(run_names)}" if run_names else "")
+    shown = list(args.labels) if args.labels else run_names
+    title = args.title or ", ".join(sorted(envs)) + (f": {', '.join(shown)}" if shown else "")
     if args.out is None:
         args.out = str(Path("runs") / f"{sorted(envs)[0].replace('/', '_')}_curves.png")
     fig.suptitle(title)

@@ -106,6 +106,34 @@ def test_plot_from_a_tiny_training_run(tmp_path):
         assert all(f"{n} (mean of 10)" in text for n in names), names
     r = run_entry("plot.py", *both, "--out", str(svg), "--labels", "only one", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--labels names 1 curves" in r.stderr
+    # the title names the curves as the legend does
+    r = run_entry("plot.py", *both, "--out", str(svg), "--labels", "old code", "new code", cwd=tmp_path,
+                  env_extra={"MATPLOTLIBRC": str(rc)})
+    assert r.returncode == 0 and "after, before: old code, new code" in svg.read_text()
+
+    # a run that has not finished a game yet: skipped with a warning, the others drawn; alone, one error line
+    header = csv.splitlines()[0] + "\n"
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "PongNoFrameskip-v4_monitor.csv").write_text(header)
+    r = run_entry("plot.py", str(tmp_path / "run/logs"), str(tmp_path / "new"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr.strip().endswith("has no games yet (its run has not finished a monitor "
+                                                           "game); skipped"), r.stderr
+    r = run_entry("plot.py", str(tmp_path / "new"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "has no games yet" in r.stderr
+
+    # GA3C's results.txt, named as a file: steps are the running sum of the games' lengths
+    results = tmp_path / "ga3c" / "results.txt"
+    results.parent.mkdir()
+    results.write_text("2026-01-02 03:04:05, -21, 800\n2026-01-02 03:05:05, -20, 900\n")
+    import plot
+    curve = plot.read_curve(results)
+    assert curve["steps"] == [800, 1700] and curve["score"] == [-21.0, -20.0]
+    assert curve["hours"] == [0.0, 60 / 3600]
+    r = run_entry("plot.py", str(results), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    results.write_text("2026-01-02 03:04:05, -21\n")
+    r = run_entry("plot.py", str(results), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 2 and "line 1 is not a results.txt line" in r.stderr
 
 
 def bad_eval(tmp_path, *args, env_extra=None):
