@@ -93,7 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,
                    help="write the full checkpoint this often (and always at the end) (default: %(default)s)")
     add_ga3c_flags(p)
+    add_ray_flags(p)
     return p
+
+
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """Several machines (``--ray-address``): hogwild nodes joined through a parameter server on Ray."""
+    g = p.add_argument_group("several machines (--ray-address; pip install -r requirements-ray.txt)")
+    g.add_argument("--ray-address", default=None,
+                   help="run --nodes hogwild nodes on Ray: auto (the cluster of `ray start`), HOST:PORT (its head), "
+                        "or local (a one-machine cluster started by the run); default: one machine, no Ray")
+    g.add_argument("--nodes", type=int, default=1,
+                   help="hogwild nodes, each --workers worker processes with its own shared model and optimizer "
+                        "statistics, on any machine of the cluster (default: %(default)s)")
+    g.add_argument("--sync-seconds", type=float, default=5.0,
+                   help="each node sends its weight change and takes the global weights this often "
+                        "(default: %(default)s)")
+    g.add_argument("--merge", default="sum", choices=["sum", "average"],
+                   help="the parameter server adds each node's change (sum: every update counts once, as between "
+                        "the workers of one machine) or 1/nodes of it (average) (default: %(default)s)")
 
 
 def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
@@ -219,7 +237,9 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
-    errors += validate_gpu_ids(args.gpu_ids)
+    errors += validate_ray(args)
+    if args.ray_address is None:  # on Ray, the GPUs are the nodes' (checked against the cluster's)
+        errors += validate_gpu_ids(args.gpu_ids)
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
     errors += validate_dir(args.log_dir, "--log-dir")
     return errors
@@ -246,6 +266,29 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
                 errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
+    return errors
+
+
+def validate_ray(args: argparse.Namespace) -> list[str]:
+    """Problems with the multi-node flags (before anything connects to Ray)."""
+    errors = []
+    if args.nodes < 1:
+        errors.append(f"--nodes must be >= 1, got {args.nodes}")
+    if args.sync_seconds <= 0:
+        errors.append(f"--sync-seconds must be > 0, got {args.sync_seconds:g}")
+    if args.ray_address is None:
+        if args.nodes > 1:
+            errors.append(f"--nodes {args.nodes} needs --ray-address (auto, HOST:PORT, or local for one machine)")
+        return errors
+    if not args.ray_address.strip():
+        errors.append("--ray-address is empty: give auto, HOST:PORT or local")
+    if args.mode == "ga3c":
+        errors.append("--ray-address runs A3G nodes; GA3C mode runs on one machine (drop --mode ga3c or "
+                      "--ray-address)")
+    if all(g < 0 for g in args.gpu_ids) and len(args.gpu_ids) > 1:
+        errors.append("--gpu-ids: give -1 once for the CPU")
+    elif any(g < 0 for g in args.gpu_ids) and any(g >= 0 for g in args.gpu_ids):
+        errors.append(f"--gpu-ids: do not mix -1 (CPU) with GPU ids {args.gpu_ids}")
     return errors
 
 

@@ -183,6 +183,30 @@ class A3gRun:
     def close(self) -> None:
         pass
 
+    failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
+
+    def errors(self) -> list[tuple[str, str]]:
+        """Failure reports of parts outside this process's ``run.errors`` (Ray nodes); none here."""
+        return []
+
+    def release(self) -> None:
+        """After the final checkpoint: let go of what the mode holds outside its processes (Ray: the actors)."""
+
+
+class StartError(RuntimeError):
+    """A mode could not start its parts (Ray: an actor that never answered); the message is one line."""
+
+
+def save_run(args: Namespace, mode, elapsed: float, final: bool = False) -> Path:
+    """Write the mode's checkpoint (at the end also the ``.dat``, unless --save-max): the parameter server writes
+    a multi-node run's (``multinode.run.RayRun.save``), this process the others'."""
+    if hasattr(mode, "save"):
+        return mode.save(elapsed, final)
+    path = save_checkpoint(args, mode.shared_model, mode.optimizer, mode.run, elapsed, mode.snapshot())
+    if final and not args.save_max:
+        atomic_save(cpu_state_dict(mode.shared_model), model_path(args.save_model_dir, args.env))
+    return path
+
 
 def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS,
              slot_of=None) -> None:
@@ -284,19 +308,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
         return stop.exit_code
 
+    ray_module = None
+    if args.ray_address is not None:  # an address that does not answer, or a cluster too small: bad input
+        from multinode.run import RayConnectError, connect
+        try:
+            ray_module = connect(args)
+        except RayConnectError as e:
+            fail([str(e)])
+        except KeyboardInterrupt:  # a second stop signal while connecting
+            print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
+            return stop.exit_code
+        stop.install()  # Ray's start-up installs its own SIGTERM handler in this process
+        if stop.signal is not None:
+            ray_module.shutdown()
+            print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
+            return stop.exit_code
     Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
     try:
         lock = RunLock(args.save_model_dir)
     except RunLockedError as e:
+        if ray_module is not None:
+            ray_module.shutdown()
         fail([str(e)])
     try:
-        return run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path)
+        return run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path, ray_module)
     finally:
         lock.release()
 
 
 def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n_actions: int, resume_ckpt,
-                 resume_sd, resume_path) -> int:
+                 resume_sd, resume_path, ray_module=None) -> int:
     """The run proper, with this run's lock on ``--save-model-dir`` held."""
     stale = remove_stale_temp_files(args.save_model_dir)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -315,7 +356,10 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     optimizer = None
     if args.shared_optimizer:
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
-    if args.mode == "ga3c":
+    if args.ray_address is not None:
+        from multinode.run import RayRun
+        mode = RayRun(args, shared_model, optimizer, log, ray_module)
+    elif args.mode == "ga3c":
         from ga3c.run import Ga3cRun
         mode = Ga3cRun(args, shared_model, optimizer, log)
     else:
@@ -359,13 +403,16 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     status_steps = run.global_steps.value
     try:
         if stop.signal is None:
-            procs = mode.launch(ctx, elapsed_offset)
+            try:
+                procs = mode.launch(ctx, elapsed_offset)
+            except (StartError, CheckpointWriteError) as e:  # one line; the finally below cleans up
+                code, reason = 1, str(e)
         if args.tensorboard_logger and stop.signal is None:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
         last_ckpt = last_status = time.time()
         status_steps = run.global_steps.value
-        while True:
+        while not reason:
             if stop.signal is not None:
                 code, reason = stop.exit_code, stop.reason
                 break
@@ -389,9 +436,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             if dead:
                 code, reason = 1, f"{dead[0]} exited unexpectedly (exit code {dead[1]})"
                 break
+            if mode.failed:
+                code, reason = 1, mode.failed
+                break
             if now - last_ckpt >= args.checkpoint_every_seconds:
                 try:
-                    save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + now - start, mode.snapshot())
+                    save_run(args, mode, elapsed_offset + now - start)
                 except CheckpointWriteError as e:
                     code, reason = 1, str(e)
                     break
@@ -410,22 +460,21 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if procs:  # the last stretch's losses and speed, so that even a short run logs them once
             span = max(time.time() - last_status, 1e-9)
             report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span)
-        for role, text in run.errors.read_all():
+        for role, text in run.errors.read_all() + mode.errors():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
         elapsed = time.time() - start
         ckpt_note = "nothing written (no process was started)"
         try:
             if procs:
-                ckpt = save_checkpoint(args, shared_model, optimizer, run, elapsed_offset + elapsed, mode.snapshot())
-                if not args.save_max:
-                    atomic_save(cpu_state_dict(shared_model), model_path(args.save_model_dir, args.env))
+                ckpt = save_run(args, mode, elapsed_offset + elapsed, final=True)
                 ckpt_note = f"checkpoint {ckpt}"
         except CheckpointWriteError as e:
             code = 1
             if str(e) != reason:
                 log.info(f"main.py: error: {e}")
             ckpt_note = "the final checkpoint could not be written; the last complete one is kept"
+        mode.release()
         rate = (run.global_steps.value - (resume_ckpt or {}).get("global_steps", 0)) / max(elapsed, 1e-9)
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
                  f"{elapsed:.0f} s; {ckpt_note}")

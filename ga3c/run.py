@@ -194,6 +194,14 @@ class Ga3cRun:
         line += f" | NT {nt} NP {np_} NA {na}"
         return line, scalars
 
+    failed: str | None = None  # as ``main.A3gRun``: this mode's failures are processes that end
+
+    def errors(self) -> list[tuple[str, str]]:
+        return []
+
+    def release(self) -> None:
+        pass
+
     def close(self) -> None:
         self.tick(time.time())  # the games that ended during the shutdown
         if self.results is not None:

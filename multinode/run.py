@@ -1,0 +1,426 @@
+"""Multi-node mode of ``main.py`` (``--ray-address``): the driver's side.
+
+The driver (the ``main.py`` process) connects to Ray (``connect``), then ``RayRun`` starts:
+
+- the parameter server (``multinode.ps``), a Ray actor pinned to the driver's machine;
+- ``--nodes`` node actors (``multinode.node.RayNode``), each asking Ray for ``--workers`` CPUs (and one GPU per
+  distinct ``--gpu-ids`` id), so Ray spreads them over the machines; Ray restarts a node that dies, and it rejoins
+  from the current global weights;
+- the monitor, a local process as in a single-machine run, playing the global weights (copied from the
+  parameter server every ``--sync-seconds``), writing the usual logs, CSV, TensorBoard and ``.dat``.
+
+``main.run_training`` drives it like the other modes: ``tick`` reads the parameter server's step count (the run's
+global steps), notices nodes that rejoined or whose workers failed; ``status`` gives per-node steps/s and the time
+since each node's last sync; ``save`` has the parameter server write the checkpoint; ``close`` stops every node
+after a last sync; ``release`` removes every actor and disconnects (and stops a ``local`` cluster).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import time
+import warnings
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+import lifeline
+from model import A3Clstm
+from run_state import UPDATE_FIELDS, RunState
+
+REPO = Path(__file__).resolve().parent.parent
+CONNECT_SECONDS = 15.0  # an address that does not answer within this is bad input
+CALL_SECONDS = 5.0  # the driver's calls to actors (status, health) give up after this
+START_SECONDS = 300.0  # the parameter server's first answer (a busy machine starts a Ray actor slowly)
+NODE_START_SECONDS = 600.0  # a node that has not answered this long after its start or loss fails the run
+STOP_SECONDS = 20.0  # nodes get this long to stop their workers and make their last sync
+SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
+
+
+class Poll:
+    """One outstanding call to an actor at a time, read without blocking: ``poll`` returns its result (or the
+    exception it raised) once it is ready, else None; the next call goes out after a result was read."""
+
+    def __init__(self, ray):
+        self.ray = ray
+        self.ref = None
+        self.since: float | None = None
+
+    def poll(self, make_call, now: float):
+        if self.ref is None:
+            self.ref, self.since = make_call(), now
+        ready, _ = self.ray.wait([self.ref], timeout=0)
+        if not ready:
+            return None
+        ref, self.ref = self.ref, None
+        try:
+            return self.ray.get(ref)
+        except Exception as e:  # the actor died, or its call failed
+            return e
+
+    def waiting(self, now: float) -> float:
+        return 0.0 if self.ref is None else now - self.since
+
+
+class RayConnectError(RuntimeError):
+    """Ray could not be reached or does not have what the run needs; the message is one line."""
+
+
+def parse_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` of an explicit address (``ray://`` client addresses included), None for ``auto``/``local``."""
+    if address in ("auto", "local"):
+        return None
+    a = address.split("://", 1)[-1]
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RayConnectError(f"--ray-address {address!r}: expected auto, local or HOST:PORT (e.g. 10.0.0.1:6379)")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
+    """Fail fast (one line) when an explicit address does not accept connections: ``ray.init`` would retry for
+    minutes."""
+    hp = parse_address(address)
+    if hp is None:
+        return
+    try:
+        with socket.create_connection(hp, timeout=timeout):
+            pass
+    except OSError as e:
+        raise RayConnectError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the "
+                              f"head with `ray start --head --port {hp[1]}` on {hp[0]}, or check the address "
+                              f"and that the port is open") from None
+
+
+def connect(args: Namespace):
+    """Connect to (``auto``, ``HOST:PORT``) or start (``local``) a Ray cluster, and check that it has the CPUs
+    (and GPUs) the nodes ask for. Returns the ``ray`` module; raises ``RayConnectError`` with one line."""
+    check_reachable(args.ray_address)
+    try:
+        import ray
+    except ImportError:
+        raise RayConnectError("--ray-address needs Ray: pip install -r requirements-ray.txt") from None
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore::DeprecationWarning"}}
+    kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                  runtime_env=runtime_env, configure_logging=True)
+    if args.ray_address == "local":
+        # Ray runs its workers at nice 15 by default; on one machine the nodes' workers then lose the CPU to the
+        # monitor and the driver, which a single-machine run's workers share it with equally.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        kwargs.update(num_cpus=max(os.cpu_count() or 1, args.nodes * args.workers), num_gpus=gpus_needed(args) or None,
+                      object_store_memory=max(256, 64 * args.nodes) * 1024 ** 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ray.init(address=args.ray_address, **kwargs)
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError, ValueError... with long texts
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = " (no running cluster found: start one with `ray start --head`, or use --ray-address local)" \
+            if args.ray_address == "auto" else ""
+        raise RayConnectError(f"--ray-address {args.ray_address}: could not connect to Ray: {first[:200]}"
+                              f"{hint}") from None
+    resources = ray.cluster_resources()
+    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    need_cpus, need_gpus = args.nodes * args.workers, args.nodes * gpus_needed(args)
+    if cpus < need_cpus or gpus < need_gpus:
+        ray.shutdown()
+        raise RayConnectError(
+            f"the Ray cluster at {args.ray_address} has {cpus:g} CPUs and {gpus:g} GPUs; --nodes {args.nodes} x "
+            f"--workers {args.workers} needs {need_cpus} CPUs (one per worker)"
+            + (f" and {need_gpus} GPUs" if need_gpus else "") + ": lower --nodes or --workers, or add machines")
+    return ray
+
+
+def gpus_needed(args: Namespace) -> int:
+    """GPUs per node: one per distinct ``--gpu-ids`` id (0 on the CPU)."""
+    return 0 if args.gpu_ids[0] < 0 else len(set(args.gpu_ids))
+
+
+def absolute_paths(args: Namespace) -> Namespace:
+    """Actors do not share the driver's working folder: give them absolute paths (the same checkout at the same
+    path on every machine, see the README)."""
+    for name in ("save_model_dir", "log_dir", "env_config", "load_model_dir"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(args, name, str(Path(value).resolve()))
+    return args
+
+
+class RayRun:
+    """Multi-node mode (see the module docstring). Process slots: the monitor only (slot 0)."""
+
+    name = "ray"
+
+    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log, ray_module=None):
+        import copy
+        self.args = absolute_paths(copy.copy(args))
+        self.shared_model, self.optimizer, self.log = shared_model, optimizer, log
+        self.ray = ray_module
+        if self.ray is None:
+            import ray
+            self.ray = ray
+        self.run = RunState(0, args.score_window)  # the driver's: global steps (from the server) and the monitor
+        self.run_id = secrets.token_hex(8)
+        self.ps_name = f"a3g-parameter-server-{self.run_id}"  # nodes find it by name (no handle in their arguments)
+        self.procs: list[tuple[str, mp.Process]] = []
+        self.ps = None
+        self.nodes: list = []
+        self.node_info: list[dict | None] = [None] * args.nodes
+        self.failed: str | None = None
+        self._errors: list[tuple[str, str]] = []
+        self._resume: dict | None = None
+        self._last_poll = 0.0
+        self._last_pull = 0.0
+        self._ps_status: dict | None = None
+        self._status_prev: dict | None = None
+        self._ps_down_since: float | None = None
+        self._joins = [0] * args.nodes
+        self._polls: dict = {}
+        self._node_down_since: list[float | None] = []
+        self._node_error: list[str] = []
+
+    def describe(self) -> str:
+        where = "CPU" if self.args.gpu_ids[0] < 0 else f"{gpus_needed(self.args)} GPU(s) each"
+        return (f"on Ray ({self.args.ray_address}): {self.args.nodes} node(s) x {self.args.workers} workers on "
+                f"{where}, syncing every {self.args.sync_seconds:g} s (--merge {self.args.merge})")
+
+    def restore(self, ckpt: dict) -> None:
+        self.run.restore(ckpt)
+        self._resume = ckpt
+
+    def slot_of(self, role: str) -> int:
+        return self.run.monitor_slot
+
+    def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
+        return False
+
+    def errors(self) -> list[tuple[str, str]]:
+        return list(self._errors)
+
+    # ---- start ----------------------------------------------------------------------------------------------
+    def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from checkpoint import CheckpointWriteError
+        from environment import num_actions
+        from main import StartError
+        from multinode.node import RayNode
+        from multinode.ps import ParameterServer
+        from test import test
+        ray = self.ray
+        weights = {k: v.detach().clone() for k, v in self.shared_model.state_dict().items()}
+        payload = None
+        if self._resume is not None:
+            rows = self._resume.get("norm_stats")
+            same_opt = self._resume.get("optimizer_name") == self.args.optimizer
+            payload = {"optimizer": self._resume.get("optimizer") if same_opt else None,
+                       "norm_stats": None if rows is None else rows[:-1].clone()}
+        here = ray.get_runtime_context().get_node_id()
+        self.ps = ray.remote(ParameterServer).options(
+            num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            name=self.ps_name,
+        ).remote(self.args, self.run_id)
+        try:
+            ok, text = self._get(self.ps.begin.remote(weights, self.run.global_steps.value, payload,
+                                                      self._fields(elapsed_offset)), timeout=START_SECONDS)
+        except Exception as e:  # it could not start (or not within START_SECONDS)
+            raise StartError(f"the parameter server did not start ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else 'no message'})") from None
+        if not ok:
+            raise CheckpointWriteError(text)
+        n_actions = num_actions(self.args.env)
+        node_cls = ray.remote(RayNode)
+        node_cls = node_cls.options(num_cpus=self.args.workers, num_gpus=gpus_needed(self.args), max_restarts=-1,
+                                    max_task_retries=0)
+        self.nodes = [node_cls.remote(self.args, i, self.ps_name, n_actions) for i in range(self.args.nodes)]
+        self._polls = {"status": Poll(ray), "weights": Poll(ray), **{i: Poll(ray) for i in range(self.args.nodes)}}
+        self._node_down_since = [time.time()] * self.args.nodes  # until each first answers
+        self._node_error = [""] * self.args.nodes
+        lifeline.mark_children()
+        monitor_args = Namespace(**vars(self.args))
+        monitor_args.seed = self.args.seed + self.args.nodes * self.args.workers
+        p = ctx.Process(target=test, args=(monitor_args, self.shared_model, self.run, elapsed_offset), name="monitor")
+        lifeline.start_child(p)
+        self.procs = [("monitor", p)]
+        return self.procs
+
+    # ---- while it runs ----------------------------------------------------------------------------------------
+    def _get(self, refs, timeout: float = CALL_SECONDS):
+        return self.ray.get(refs, timeout=timeout)
+
+    def tick(self, now: float) -> None:
+        """About once a second, without blocking: the global step count; every ``--sync-seconds`` the global
+        weights for the monitor; which nodes (re)started; whether a node's worker failed."""
+        if now - self._last_poll < 1.0:
+            return
+        self._last_poll = now
+        status = self._polls["status"].poll(lambda: self.ps.status.remote(), now)
+        if status is not None:
+            self._server_answered(status, now)
+        elif self._polls["status"].waiting(now) > SERVER_LATE_SECONDS and self._ps_down_since is None \
+                and self._ps_status is not None:
+            self._ps_down_since = self._polls["status"].since
+            self.log.info("the parameter server does not answer; Ray restarts it if it died (from the last "
+                          "checkpoint)")
+        if now - self._last_pull >= self.args.sync_seconds:
+            weights = self._polls["weights"].poll(lambda: self.ps.get_weights.remote(), now)
+            if weights is not None:
+                self._last_pull = now
+                self.load_global_weights(weights)
+        for i, node in enumerate(self.nodes):
+            h = self._polls[i].poll(lambda node=node: node.health.remote(), now)
+            if h is not None:
+                self._node_answered(i, h, now)
+            since = self._node_down_since[i]
+            if since is not None and now - since > NODE_START_SECONDS and self.failed is None:
+                self.failed = (f"node {i} did not start within {NODE_START_SECONDS:.0f} s"
+                               + (f" ({self._node_error[i]})" if self._node_error[i] else ""))
+
+    def _server_answered(self, status: dict, now: float) -> None:
+        if isinstance(status, Exception):  # it died: Ray restarts it; the next call waits for that
+            if self._ps_down_since is None:
+                self._ps_down_since = now
+                self.log.info(f"the parameter server died ({type(status).__name__}); Ray restarts it from the "
+                              f"last checkpoint")
+            return
+        if self._ps_down_since is not None:
+            self.log.info(f"the parameter server is back after {now - self._ps_down_since:.0f} s"
+                          + (f", from {status['recovered_from']}" if status.get("recovered_from") else "")
+                          + f", at {status['global_steps']:,} global steps")
+            self._ps_down_since = None
+        self._ps_status = status
+        self.run.global_steps.slots[-1] = int(status["global_steps"])
+        for i, n in enumerate(status["nodes"]):
+            if n["joins"] > self._joins[i]:
+                if self._joins[i] > 0:
+                    self.log.info(f"node {i} rejoined (start {n['joins']}) from the global weights at "
+                                  f"{status['global_steps']:,} global steps")
+                self._joins[i] = n["joins"]
+
+    def poll_server(self, timeout: float = CALL_SECONDS) -> bool:
+        """Wait (up to ``timeout``) for the parameter server's counts: the final step count at the end."""
+        try:
+            status = self._get(self.ps.status.remote(), timeout=timeout)
+        except Exception:
+            return False
+        self._server_answered(status, time.time())
+        return True
+
+    def load_global_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if isinstance(weights, Exception):
+            return
+        with torch.no_grad():
+            for k, v in self.shared_model.state_dict().items():
+                v.copy_(weights[k])
+
+    def _node_answered(self, i: int, h, now: float) -> None:
+        if isinstance(h, Exception):  # it died (Ray restarts it and it rejoins) or failed to start
+            text = str(h).strip()
+            self._node_error[i] = type(h).__name__ + (f": {text.splitlines()[-1][:200]}" if text else "")
+            if "creation task" in text and self.failed is None:  # its constructor raised: a restart would too
+                self.failed = f"node {i} could not start ({self._node_error[i]})"
+            if self.node_info[i] is not None and self.node_info[i].get("pid"):
+                self.log.info(f"node {i} lost ({type(h).__name__}); Ray restarts it")
+                self.node_info[i] = {"pid": None}
+                self._node_down_since[i] = now
+            return
+        self._node_down_since[i] = None
+        self._node_error[i] = ""
+        if self.node_info[i] is None or self.node_info[i]["pid"] != h["pid"]:
+            self.log.info(f"node {i}: pid {h['pid']} on {h['host']}, workers {h['workers']}")
+        self.node_info[i] = h
+        if h["dead"] and self.failed is None:
+            role, code = h["dead"][0]
+            self.failed = f"node {i}: {role} exited unexpectedly (exit code {code})"
+            self._errors += [(f"node {i} {r}", t) for r, t in h["errors"]]
+
+    def status(self, rate: float, span: float) -> tuple[str, dict]:
+        line = f"steps {self.run.global_steps.value:,} ({rate:.0f} steps/s)"
+        scalars = {"charts/train_steps_per_s": rate}
+        st = self._ps_status
+        if st is None:
+            return line + " | parameter server not answering yet", scalars
+        prev = self._status_prev
+        parts, stats = [], []
+        for i, n in enumerate(st["nodes"]):
+            node_rate = 0.0
+            if prev is not None and st["time"] > prev["time"]:
+                node_rate = (n["steps"] - prev["nodes"][i]["steps"]) / (st["time"] - prev["time"])
+            ago = ("never synced" if n["last_sync"] is None
+                   else f"synced {max(0.0, st['time'] - n['last_sync']):.1f} s ago")
+            parts.append(f"node {i} {node_rate:.0f} steps/s, {ago}")
+            scalars[f"nodes/node{i}_steps_per_s"] = node_rate
+            if n["stats"] is not None:
+                stats.append(n["stats"])
+        self._status_prev = st
+        line += " | " + " | ".join(parts)
+        if stats:
+            f = dict(zip(UPDATE_FIELDS, torch.tensor(stats, dtype=torch.float64).mean(0).tolist()))
+            line += (f" | per step: policy {f['policy_loss']:.4f} value {f['value_loss']:.4f} entropy "
+                     f"{f['entropy']:.3f} | grad-norm {f['grad_norm']:.2f}")
+            scalars.update({f"losses/{k}": f[k] for k in UPDATE_FIELDS[2:]})
+        return line, scalars
+
+    # ---- checkpoints and the end ------------------------------------------------------------------------------
+    def _fields(self, elapsed: float) -> dict:
+        """What the driver adds to the parameter server's checkpoint: the monitor's statistics, its normalisation
+        row, the elapsed time and the flags."""
+        from config import config_dict
+        return {"best_score": float(self.run.monitor[2].item()), "elapsed_seconds": float(elapsed),
+                "config": config_dict(self.args), "monitor": self.run.monitor.clone(),
+                "recent_scores": self.run.recent_scores(),
+                "monitor_norm_row": self.run.norm_stats[self.run.monitor_norm].clone()}
+
+    def save(self, elapsed: float, final: bool = False) -> Path:
+        """The parameter server writes the checkpoint (and, at the end, the ``.dat``) where a single-machine run
+        does; raises ``CheckpointWriteError`` with its one line."""
+        from checkpoint import CheckpointWriteError
+        fields = self._fields(elapsed)
+        try:
+            ok, text = self._get(self.ps.save.remote(fields, final and not self.args.save_max), timeout=120)
+        except Exception as e:
+            raise CheckpointWriteError(f"the parameter server did not write the checkpoint ({type(e).__name__})")
+        if not ok:
+            raise CheckpointWriteError(text)
+        return Path(text)
+
+    def close(self) -> None:
+        """Stop every node (its workers, then a last sync), then read the final step count."""
+        if not self.nodes:
+            return
+        refs = [n.stop.remote() for n in self.nodes]
+        for i, ref in enumerate(refs):
+            try:
+                out = self._get(ref, timeout=STOP_SECONDS)
+            except Exception as e:
+                self.log.info(f"node {i} did not stop cleanly ({type(e).__name__}); its last updates since its "
+                              f"last sync are lost")
+                continue
+            for role, text in out["errors"]:
+                if (f"node {i} {role}", text) not in self._errors:
+                    self._errors.append((f"node {i} {role}", text))
+        self.poll_server()  # the final step count, with every node's last sync
+
+    def release(self, disconnect: bool = True) -> None:
+        """Remove every actor (their worker processes die with them) and disconnect; a ``local`` cluster stops.
+        ``disconnect=False`` keeps the connection (a benchmark's next measurement)."""
+        for actor in [*self.nodes, self.ps]:
+            if actor is not None:
+                try:
+                    self.ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+        self.nodes, self.ps = [], None
+        if not disconnect:
+            return
+        try:
+            self.ray.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,334 @@
+"""Several machines on Ray (``--ray-address``): the merge arithmetic by hand, the parameter server and a hogwild
+node in-process, bad input, and real local clusters under faults (a node killed, Ctrl-C, the parameter server
+killed, signals during start-up).
+
+The Ray cases start a one-machine cluster (``--ray-address local``) with tiny models and budgets; they use the
+fault-injection harness of ``test_faults`` (a new session per run, every process of the run found and killed at
+teardown; Ray's own processes are in that session too).
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT
+from test_faults import launch  # noqa: F401 - the fixture
+from test_faults import (CKPT, START_SECONDS, TRACEBACK, check_end, describe, load_saved, models_dir, pause,
+                         resume_run, title, train_args)
+
+from multinode.merge import (apply_change, max_nodes, merge_scale, rebase, scale_row, sync_traffic, weight_bytes,
+                             weight_change)
+
+ray = pytest.importorskip("ray", reason="needs Ray: pip install -r requirements-ray.txt")
+
+RAY_START_SECONDS = 240.0  # a local cluster, its actors and their workers on a busy 2-core machine
+
+
+def w(*values) -> dict[str, torch.Tensor]:
+    return {"a": torch.tensor([float(v) for v in values])}
+
+
+# --------------------------------------------------------------------------------------------- the arithmetic
+def test_two_nodes_syncing_from_the_same_weights_sum_or_average_their_changes():
+    """Hand-computed: global [1, 2]; node A moved to [1.5, 2], node B to [1, 1]."""
+    base = w(1, 2)
+    change_a, change_b = weight_change(w(1.5, 2), base), weight_change(w(1, 1), base)
+    assert change_a["a"].tolist() == [0.5, 0.0] and change_b["a"].tolist() == [0.0, -1.0]
+    for mode, expected in (("sum", [1.5, 1.0]), ("average", [1.25, 1.5])):
+        g = w(1, 2)
+        apply_change(g, change_a, merge_scale(mode, 2))
+        apply_change(g, change_b, merge_scale(mode, 2))
+        assert g["a"].tolist() == expected, mode
+    assert merge_scale("average", 4) == 0.25 and merge_scale("sum", 4) == 1.0
+    with pytest.raises(ValueError):
+        merge_scale("median", 2)
+
+
+def test_rebase_keeps_the_updates_made_while_the_sync_was_on_its_way():
+    """Sent [2, 2]; the workers added [0.5, -1] meanwhile (live [2.5, 1]); the server answered [3, 0]:
+    live becomes [3.5, -1], the answer plus what was added since."""
+    live, sent, received = w(2.5, 1), w(2, 2), w(3, 0)
+    before = live["a"]
+    rebase(live, sent, received)
+    assert live["a"].tolist() == [3.5, -1.0] and live["a"] is before  # in place: the workers' shared memory
+
+
+def test_weight_change_refuses_weights_of_another_model():
+    with pytest.raises(ValueError, match="do not match"):
+        weight_change({"a": torch.zeros(1)}, {"b": torch.zeros(1)})
+
+
+def test_traffic_and_the_scale_table_by_hand():
+    """13 MB up and 13 MB down every 5 s is 5.2 MB/s per node; a 100 MB/s link and 0.1 s of server time per
+    sync: 10 nodes load the link 0.52 and the server 0.2; 20 nodes: 1.04 -> saturated, syncs every 5.2 s."""
+    mb = 13_000_000
+    assert sync_traffic(mb, 5.0) == 5_200_000
+    row = scale_row(10, 100.0, mb, 5.0, 100e6, 0.1)
+    assert row["steps_per_s"] == 1000 and row["ps_traffic_bytes_per_s"] == 52e6
+    assert abs(row["ps_net_load"] - 0.52) < 1e-12 and abs(row["ps_cpu_load"] - 0.2) < 1e-12
+    assert not row["saturated"] and row["effective_sync_seconds"] == 5.0
+    row = scale_row(20, 100.0, mb, 5.0, 100e6, 0.1)
+    assert row["saturated"] and abs(row["effective_sync_seconds"] - 5.2) < 1e-9
+    assert max_nodes(mb, 5.0, 100e6, 0.1) == 19  # 1 / 0.052 = 19.2: 19 nodes load it 0.988
+    assert weight_bytes({"x": torch.zeros(3, 4), "y": torch.zeros(2, dtype=torch.float64)}) == 3 * 4 * 4 + 2 * 8
+
+
+# --------------------------------------------------------------------------- the parameter server, in-process
+def ps_args(tmp_path, **kw) -> Namespace:
+    from config import build_parser
+    a = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--save-model-dir", str(tmp_path / "m"),
+                                   "--log-dir", str(tmp_path / "l"), "--env-config", str(ROOT / "config.json"),
+                                   "--ray-address", "local"])
+    (tmp_path / "m").mkdir(exist_ok=True)
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def fields() -> dict:
+    return {"best_score": -21.0, "elapsed_seconds": 3.0, "config": {}, "monitor": torch.zeros(3, dtype=torch.float64),
+            "recent_scores": [], "monitor_norm_row": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
+
+
+def test_parameter_server_applies_changes_counts_steps_and_comes_back_from_its_own_checkpoint(tmp_path):
+    from checkpoint import check_checkpoint, is_checkpoint, read_weights
+    from model import A3Clstm
+    from multinode.ps import ParameterServer
+    args = ps_args(tmp_path, nodes=2, merge="sum")
+    model = A3Clstm(1, 6, 32)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ps = ParameterServer(args, "run-1")
+    with pytest.raises(RuntimeError, match="no weights"):
+        ps.join(0)
+    ok, path = ps.begin(start, 100, None, fields())
+    assert ok and is_checkpoint(read_weights(path))  # the first checkpoint is written at once
+    joined = ps.join(1)
+    assert joined["joins"] == 1 and torch.equal(joined["weights"]["critic_linear.bias"], start["critic_linear.bias"])
+    change = {k: torch.full_like(v, 0.5) for k, v in start.items()}
+    got = ps.push(1, change, 40, [1.0] * 7, None)
+    assert torch.allclose(got["critic_linear.bias"], start["critic_linear.bias"] + 0.5)
+    st = ps.status()
+    assert st["global_steps"] == 140 and st["nodes"][1]["steps"] == 40 and st["nodes"][1]["syncs"] == 1
+    ok, path = ps.save(fields(), write_model=True)
+    ckpt = read_weights(path)
+    check_checkpoint(ckpt, path)
+    assert ckpt["global_steps"] == 140 and ckpt["ray_run_id"] == "run-1"
+    assert ckpt["norm_stats"].shape == (2, 3) and ckpt["norm_stats"][-1].tolist() == [1.0, 2.0, 3.0]
+    assert torch.equal(read_weights(tmp_path / "m" / "PongNoFrameskip-v4.dat")["actor_linear.weight"],
+                       got["actor_linear.weight"])
+    again = ParameterServer(args, "run-1")  # as Ray restarts it: from this run's checkpoint, begin ignored
+    assert again.recovered_from == str(path) and again.global_steps == 140
+    again.begin(start, 0, None, fields())
+    assert torch.equal(again.weights["critic_linear.bias"], got["critic_linear.bias"])
+    other = ParameterServer(args, "run-2")  # another run's checkpoint is not this run's state
+    assert other.recovered_from is None and other.weights is None
+
+
+def test_average_merge_scales_each_change_by_one_over_the_nodes(tmp_path):
+    from multinode.ps import ParameterServer
+    ps = ParameterServer(ps_args(tmp_path, nodes=4, merge="average"), "r")
+    ps.weights = {"a": torch.zeros(2)}  # as begin() sets them
+    got = ps.push(0, {"a": torch.tensor([4.0, -8.0])}, 0)
+    assert got["a"].tolist() == [1.0, -2.0]
+
+
+@pytest.mark.timeout(300)
+def test_a_hogwild_node_trains_and_trades_its_changes_with_the_parameter_server(tmp_path):
+    """The node of a multi-node run, in this process, joined to an in-process parameter server: its worker
+    process trains, the node's changes reach the server, the server's steps follow, stop() syncs once more."""
+    from model import A3Clstm
+    from multinode.node import HogwildNode
+    from multinode.ps import ParameterServer
+    args = ps_args(tmp_path, nodes=1, sync_seconds=0.5, max_steps=50)  # the node ignores budgets: it has none
+    ps = ParameterServer(args, "r")
+    start = {k: v.clone() for k, v in A3Clstm(1, 6, 32).state_dict().items()}
+    ps.begin(start, 0, None, fields())
+    node = HogwildNode(args, 0, lambda name, *a: getattr(ps, name)(*a), 6)
+    try:
+        assert node.args.max_steps == 0 and node.args.seed == args.seed
+        deadline = time.monotonic() + START_SECONDS
+        while ps.status()["global_steps"] < 200:
+            assert time.monotonic() < deadline, f"no steps reached the server: {node.health()}"
+            assert not node.health()["dead"], node.health()
+            time.sleep(0.2)
+    finally:
+        out = node.stop()
+    assert out["synced"] and not out["errors"]
+    assert ps.status()["global_steps"] == out["steps"]  # the last sync reported every step
+    moved = max((ps.weights[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 0
+    assert out["steps"] > 0 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                                        for pid in node.health()["workers"])
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+def run_main(tmp_path, *args, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), "--save-model-dir", str(tmp_path / "m"),
+                           "--log-dir", str(tmp_path / "l"), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ray-address", "local", "--nodes", "0"], "--nodes must be >= 1, got 0"),
+    (["--nodes", "2"], "--nodes 2 needs --ray-address"),
+    (["--ray-address", "local", "--sync-seconds", "0"], "--sync-seconds must be > 0"),
+    (["--ray-address", "local", "--mode", "ga3c"], "GA3C mode runs on one machine"),
+    (["--ray-address", "nowhere"], "expected auto, local or HOST:PORT"),
+])
+def test_bad_multinode_flags_are_one_line_and_exit_2(tmp_path, flags, message):
+    proc = run_main(tmp_path, *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and TRACEBACK not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "m").exists()  # nothing created
+
+
+def test_an_address_that_does_not_answer_is_one_line_and_exit_2_within_bounded_time(tmp_path):
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = run_main(tmp_path, "--ray-address", f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode == 2, proc.stderr
+    assert f"--ray-address 127.0.0.1:{port}: nothing answers there" in proc.stderr
+    assert "ray start --head" in proc.stderr and TRACEBACK not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m").exists()
+
+
+def test_without_ray_address_ray_is_never_imported(tmp_path):
+    code = ("import sys, main\n"
+            f"rc = main.main(['--env', 'PongNoFrameskip-v4', '--workers', '1', '--hidden-size', '32', '--max-steps',"
+            f" '40', '--save-model-dir', {str(tmp_path / 'm')!r}, '--log-dir', {str(tmp_path / 'l')!r}])\n"
+            "print('exit', rc, 'ray imported:', 'ray' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert "exit 0 ray imported: False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------- real local clusters
+def ray_args(tmp_path, *extra: str) -> list[str]:
+    """Two nodes of one worker on a local cluster, tiny model, syncing every second; no budget unless added."""
+    return train_args(tmp_path, "--ray-address", "local", "--nodes", "2", "--workers", "1", "--sync-seconds", "1",
+                      "--checkpoint-every-seconds", "5", "--status-every-seconds", "2", *extra)
+
+
+def node_steps(run, node: int) -> int:
+    """The last status line's steps/s of ``node`` (0 if none yet)."""
+    rates = re.findall(rf"node {node} (\d+) steps/s", run.stdout())
+    return int(rates[-1]) if rates else 0
+
+
+def ray_processes(run) -> list[psutil.Process]:
+    return [p for p in run.processes() if any(k in title(p) for k in ("ray", "raylet", "gcs_server", "a3g"))]
+
+
+@pytest.mark.timeout(1200)
+def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch, tmp_path):
+    """Two nodes; kill -9 node 0's actor process once it trains: Ray restarts it, it rejoins from the global
+    weights and trains again while node 1 goes on; then Ctrl-C (SIGINT to the run's process group, as a
+    terminal sends it) stops everything: exit 130, no process of the run and no Ray process left, loadable
+    checkpoint and .dat written by the parameter server; a single-machine run and a multi-node run both resume."""
+    run = launch(ray_args(tmp_path))
+    pid = int(run.wait_for_output(r"node 0: pid (\d+) on", RAY_START_SECONDS).group(1))
+    run.poll_until(lambda: node_steps(run, 0) > 0, RAY_START_SECONDS, "node 0 training")
+    os.kill(pid, signal.SIGKILL)
+    run.wait_for_output(r"node 0 lost|node 0 rejoined", 60)
+    run.wait_for_output(r"node 0 rejoined \(start 2\) from the global weights at [\d,]+ global steps", 120)
+    new_pid = int(run.wait_for_output(rf"node 0: pid (?!{pid}\b)(\d+) on", 120).group(1))
+    assert new_pid != pid
+    mark = len(run.stdout())
+    run.poll_until(lambda: re.search(r"node 0 [1-9]\d* steps/s", run.stdout()[mark:]), 120,
+                   "node 0 training again after its restart")
+    assert run.proc.poll() is None
+    fault = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    check_end(run, fault, {130})
+    assert not ray_processes(run)
+    out = run.stdout()
+    assert "stopped: interrupted (Ctrl-C)" in out and "did not stop cleanly" not in out, run.tail()
+    saved = load_saved(models_dir(tmp_path))
+    ckpt = saved[CKPT]
+    assert ckpt["global_steps"] > 0 and ckpt["optimizer"] is not None and "ray_run_id" in ckpt
+    assert set(saved) == {CKPT, "PongNoFrameskip-v4.dat"}
+    # a multi-node run continues from it to a step budget (exit 0, every node's last sync counted) ...
+    steps = ckpt["global_steps"]
+    again = launch(ray_args(tmp_path, "--load", "--max-steps", str(steps + 200)), name="ray-resume")
+    code = again.wait_exit(time.monotonic() + RAY_START_SECONDS + 120)
+    assert code == 0, f"exit {code}{again.tail()}"
+    assert not again.leftovers(time.monotonic() + 5), describe(again.processes())
+    assert f"at {steps:,} global steps" in again.stdout()
+    resumed = load_saved(models_dir(tmp_path))[CKPT]
+    assert resumed["global_steps"] >= steps + 200
+    # ... and so does a single-machine run, from the checkpoint the parameter server wrote
+    assert resume_run(launch, tmp_path) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_parameter_server_comes_back_from_the_last_checkpoint(launch, tmp_path):
+    run = launch(ray_args(tmp_path))
+    run.poll_until(lambda: node_steps(run, 0) > 0 and node_steps(run, 1) > 0, RAY_START_SECONDS, "both nodes training")
+    time.sleep(6)  # a checkpoint with steps in it (every 5 s)
+    ps = run.poll_until(lambda: next((p for p in run.processes() if "ParameterServer" in title(p)), None), 30,
+                        "the parameter server's process")
+    ps.kill()
+    run.wait_for_output(r"the parameter server (died|does not answer)", 60)
+    back = run.wait_for_output(r"the parameter server is back after \d+ s, from .*\.ckpt, at ([\d,]+) global steps",
+                               120)
+    assert int(back.group(1).replace(",", "")) > 0
+    mark = len(run.stdout())
+    run.poll_until(lambda: re.search(r"steps [\d,]+ \([1-9]\d* steps/s\)", run.stdout()[mark:]), 120,
+                   "training going on after the server came back")
+    fault = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    check_end(run, fault, {143})
+    assert not ray_processes(run)
+    load_saved(models_dir(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("moment", ["connecting", "actors starting", "random"])
+def test_a_signal_during_start_up_stops_the_run_and_leaves_nothing(launch, tmp_path, moment):
+    run = launch(ray_args(tmp_path))
+    if moment == "connecting":
+        run.poll_until(lambda: any("gcs_server" in title(p) for p in run.processes()), RAY_START_SECONDS,
+                       "Ray starting", period=0.05)
+    elif moment == "actors starting":
+        run.wait_for_output(r"training PongNoFrameskip-v4", RAY_START_SECONDS)
+    else:
+        pause(random.uniform(0.5, 25.0))
+    sig = random.choice([signal.SIGINT, signal.SIGTERM])
+    fault = time.monotonic()
+    os.killpg(run.proc.pid, sig)
+    check_end(run, fault, {128 + int(sig)}, stopped=False)
+    assert not ray_processes(run)
+    load_saved(models_dir(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_worker_that_dies_inside_a_node_ends_the_run(launch, tmp_path):
+    """As on one machine: a training process that dies is a failure of the run (exit 1), reported by name."""
+    run = launch(ray_args(tmp_path))
+    run.poll_until(lambda: node_steps(run, 1) > 0, RAY_START_SECONDS, "node 1 training")
+    workers = [p for p in run.processes() if "a3g worker" in title(p)]
+    assert len(workers) == 2, describe(workers)
+    fault = time.monotonic()
+    workers[0].kill()
+    check_end(run, fault, {1})
+    assert re.search(r"stopped: node \d: worker 0 exited unexpectedly \(exit code -9\)", run.stdout()), run.tail()
+    assert not ray_processes(run)
+    load_saved(models_dir(tmp_path))
