@@ -25,7 +25,9 @@ if __name__ == "__mp_main__":
 elif __name__ == "__main__":
     STOP = lifeline.StopSignals().install()
 
+import logging  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import os  # noqa: E402
 import shlex  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -42,7 +44,7 @@ from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointWriteEr
 from config import build_parser, config_dict, validate  # noqa: E402
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
-from run_state import UPDATE_FIELDS, RunState  # noqa: E402
+from run_state import UPDATE_FIELDS, RunState, StartError  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
 from test import test  # noqa: E402
 from train import train  # noqa: E402
@@ -193,10 +195,6 @@ class A3gRun:
         """After the final checkpoint: let go of what the mode holds outside its processes (Ray: the actors)."""
 
 
-class StartError(RuntimeError):
-    """A mode could not start its parts (Ray: an actor that never answered); the message is one line."""
-
-
 def save_run(args: Namespace, mode, elapsed: float, final: bool = False) -> Path:
     """Write the mode's checkpoint (at the end also the ``.dat``, unless --save-max): the parameter server writes
     a multi-node run's (``multinode.run.RayRun.save``), this process the others'."""
@@ -310,18 +308,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ray_module = None
     if args.ray_address is not None:  # an address that does not answer, or a cluster too small: bad input
-        from multinode.run import RayConnectError, connect
+        from multinode.run import RayConnectError, RayStopped, connect
         try:
-            ray_module = connect(args)
+            ray_module = connect(args, stop)  # Ray installs a SIGTERM handler of its own; ``stop`` comes back after
         except RayConnectError as e:
             fail([str(e)])
+        except RayStopped as e:
+            stop.signal = stop.signal or e.signum
         except KeyboardInterrupt:  # a second stop signal while connecting
-            print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
-            return stop.exit_code
-        stop.install()  # Ray's start-up installs its own SIGTERM handler in this process
+            stop.signal = stop.signal or signal.SIGINT
         if stop.signal is not None:
-            ray_module.shutdown()
+            from multinode.run import shutdown_quietly
+            clean = shutdown_quietly(args.ray_address == "local")
             print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
+            if not clean:
+                sys.stderr.flush()
+                os._exit(stop.exit_code)
             return stop.exit_code
     Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
     try:
@@ -331,9 +333,17 @@ def main(argv: list[str] | None = None) -> int:
             ray_module.shutdown()
         fail([str(e)])
     try:
-        return run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path, ray_module)
+        code = run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path, ray_module)
     finally:
         lock.release()
+    if ray_module is not None:
+        from multinode.run import shutdown_hung
+        if shutdown_hung():  # Ray's shutdown waits on processes a stop signal killed: its exit handler would too
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n_actions: int, resume_ckpt,
@@ -358,7 +368,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
     if args.ray_address is not None:
         from multinode.run import RayRun
-        mode = RayRun(args, shared_model, optimizer, log, ray_module)
+        mode = RayRun(args, shared_model, optimizer, log, ray_module, stop)
     elif args.mode == "ga3c":
         from ga3c.run import Ga3cRun
         mode = Ga3cRun(args, shared_model, optimizer, log)
@@ -406,7 +416,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             try:
                 procs = mode.launch(ctx, elapsed_offset)
             except (StartError, CheckpointWriteError) as e:  # one line; the finally below cleans up
-                code, reason = 1, str(e)
+                code, reason = (stop.exit_code, stop.reason) if stop.signal is not None else (1, str(e))
         if args.tensorboard_logger and stop.signal is None:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))

@@ -53,6 +53,12 @@ class Flag:
         return True
 
 
+class StartError(RuntimeError):
+    """A mode could not start its parts (Ray: an actor that never answered, or a stop signal while waiting for
+    one); the message is one line. Defined here, not in ``main.py``, so that it is one class whether ``main`` is
+    the script or an imported module."""
+
+
 class AnyOf:
     """A stop condition made of several flags (``Flag``, ``threading.Event``): ``is_set()`` when any one is."""
 

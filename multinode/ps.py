@@ -39,6 +39,7 @@ class ParameterServer:
         self.busy_seconds = 0.0  # time spent applying changes (the scale table's per-sync cost)
         self.pushes = 0
         self.recovered_from = None
+        self.started = time.time()  # tells the driver that a restarted server's counts start again
         self._recover()
 
     def begin(self, weights: dict[str, torch.Tensor], global_steps: int, payload: dict | None,
@@ -107,6 +108,7 @@ class ParameterServer:
 
     def status(self) -> dict:
         return {"global_steps": self.global_steps, "nodes": [dict(n) for n in self.nodes], "time": time.time(),
+                "started": self.started,
                 "busy_seconds": self.busy_seconds, "pushes": self.pushes, "recovered_from": self.recovered_from}
 
     def save(self, fields: dict, write_model: bool = False) -> tuple[bool, str]:

@@ -20,7 +20,9 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import socket
+import threading
 import time
 import warnings
 from argparse import Namespace
@@ -30,14 +32,16 @@ import torch
 
 import lifeline
 from model import A3Clstm
-from run_state import UPDATE_FIELDS, RunState
+from run_state import UPDATE_FIELDS, RunState, StartError
 
 REPO = Path(__file__).resolve().parent.parent
 CONNECT_SECONDS = 15.0  # an address that does not answer within this is bad input
 CALL_SECONDS = 5.0  # the driver's calls to actors (status, health) give up after this
 START_SECONDS = 300.0  # the parameter server's first answer (a busy machine starts a Ray actor slowly)
+SAVE_SECONDS = 60.0  # the parameter server writes a checkpoint (39 MB) within this
 NODE_START_SECONDS = 600.0  # a node that has not answered this long after its start or loss fails the run
-STOP_SECONDS = 20.0  # nodes get this long to stop their workers and make their last sync
+SHUTDOWN_SECONDS = 8.0  # Ray's own shutdown, before a local cluster's processes are killed
+STOP_SECONDS = 10.0  # nodes get this long (together) to stop their workers and make their last sync
 SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
 
 
@@ -96,10 +100,79 @@ def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
                               f"and that the port is open") from None
 
 
-def connect(args: Namespace):
+class RayStopped(Exception):
+    """A stop signal arrived while Ray was starting (Ray's own SIGTERM handler turns it into ``SystemExit``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def connect(args: Namespace, stop=None):
     """Connect to (``auto``, ``HOST:PORT``) or start (``local``) a Ray cluster, and check that it has the CPUs
-    (and GPUs) the nodes ask for. Returns the ``ray`` module; raises ``RayConnectError`` with one line."""
+    (and GPUs) the nodes ask for. Returns the ``ray`` module; raises ``RayConnectError`` with one line.
+
+    ``ray.init`` installs a SIGTERM handler of its own that exits the process; ``stop`` (``lifeline.StopSignals``)
+    is installed again before this returns, and a SIGTERM that Ray's handler caught meanwhile comes out as
+    ``RayStopped``, so that the caller stops the run as for any stop signal."""
     check_reachable(args.ray_address)
+    try:
+        ray = _connect(args)
+        if stop is not None:
+            stop.install()
+    except SystemExit as e:  # Ray's handler: sys.exit(SIGTERM)
+        shutdown_quietly()
+        raise RayStopped(e.code if isinstance(e.code, int) and e.code > 0 else signal.SIGTERM) from None
+    return ray
+
+
+def shutdown_quietly(local: bool = True, timeout: float = SHUTDOWN_SECONDS) -> bool:
+    """``ray.shutdown()``, bounded: a stop signal sent to the whole process group (a terminal's Ctrl-C, a batch
+    system's SIGTERM) also reaches a ``local`` cluster's processes, and Ray's shutdown can then wait on them for
+    long. After ``timeout`` seconds every process this driver started is killed (``local``), which lets it
+    finish. Returns False if it still did not: the caller must end the process with ``os._exit`` (Ray's exit
+    handler would wait on the same lock)."""
+    try:
+        import ray
+    except ImportError:
+        return True
+
+    def run():
+        try:
+            ray.shutdown()
+        except BaseException:  # noqa: BLE001 - already stopping; nothing more to do
+            pass
+
+    global _SHUTDOWN_HUNG
+    t = threading.Thread(target=run, name="ray shutdown", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive() and local:
+        import psutil
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        t.join(5.0)
+    _SHUTDOWN_HUNG = t.is_alive()
+    return not _SHUTDOWN_HUNG
+
+
+_SHUTDOWN_HUNG = False
+
+
+def shutdown_hung() -> bool:
+    """Whether the last ``shutdown_quietly`` did not finish (the process must end with ``os._exit``)."""
+    return _SHUTDOWN_HUNG
+
+
+def _connect(args: Namespace):
+    if args.ray_address != "local" and "RAY_AUTH_MODE" not in os.environ and _auth_token_available():
+        # `ray start` enables Ray's token authentication when a token exists; a driver joining that cluster
+        # must say so too (read when Ray is imported), or the head refuses it ("Authentication token is missing
+        # or incorrect")
+        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         import ray
     except ImportError:
@@ -123,18 +196,31 @@ def connect(args: Namespace):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = " (no running cluster found: start one with `ray start --head`, or use --ray-address local)" \
             if args.ray_address == "auto" else ""
+        if "auth" in str(e).lower():
+            hint = " (the cluster uses token authentication: copy the head's ~/.ray/auth_token to this machine)"
         raise RayConnectError(f"--ray-address {args.ray_address}: could not connect to Ray: {first[:200]}"
                               f"{hint}") from None
-    resources = ray.cluster_resources()
-    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    total, free = ray.cluster_resources(), ray.available_resources()
+    cpus, gpus = free.get("CPU", 0), free.get("GPU", 0)
     need_cpus, need_gpus = args.nodes * args.workers, args.nodes * gpus_needed(args)
     if cpus < need_cpus or gpus < need_gpus:
         ray.shutdown()
+        busy = (f" ({total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all; another run holds the rest)"
+                if (total.get("CPU", 0), total.get("GPU", 0)) != (cpus, gpus) else "")
         raise RayConnectError(
-            f"the Ray cluster at {args.ray_address} has {cpus:g} CPUs and {gpus:g} GPUs; --nodes {args.nodes} x "
-            f"--workers {args.workers} needs {need_cpus} CPUs (one per worker)"
+            f"the Ray cluster at {args.ray_address} has {cpus:g} CPUs and {gpus:g} GPUs free{busy}; --nodes "
+            f"{args.nodes} x --workers {args.workers} needs {need_cpus} CPUs (one per worker)"
             + (f" and {need_gpus} GPUs" if need_gpus else "") + ": lower --nodes or --workers, or add machines")
     return ray
+
+
+def _auth_token_available() -> bool:
+    """Whether Ray would find an authentication token here (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``, the file ``ray start --head`` writes)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).is_file()
 
 
 def gpus_needed(args: Namespace) -> int:
@@ -157,11 +243,12 @@ class RayRun:
 
     name = "ray"
 
-    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log, ray_module=None):
+    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log, ray_module=None, stop=None):
         import copy
         self.args = absolute_paths(copy.copy(args))
         self.shared_model, self.optimizer, self.log = shared_model, optimizer, log
         self.ray = ray_module
+        self.stop = stop  # lifeline.StopSignals: a stop signal ends the waits of the start-up
         if self.ray is None:
             import ray
             self.ray = ray
@@ -209,7 +296,6 @@ class RayRun:
 
         from checkpoint import CheckpointWriteError
         from environment import num_actions
-        from main import StartError
         from multinode.node import RayNode
         from multinode.ps import ParameterServer
         from test import test
@@ -227,10 +313,16 @@ class RayRun:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
             name=self.ps_name,
         ).remote(self.args, self.run_id)
+        ref = self.ps.begin.remote(weights, self.run.global_steps.value, payload, self._fields(elapsed_offset))
+        deadline = time.time() + START_SECONDS
+        while not ray.wait([ref], timeout=0.2)[0]:  # a stop signal ends the wait (a busy machine starts slowly)
+            if self.stop is not None and self.stop.signal is not None:
+                raise StartError("stopped while the parameter server was starting")
+            if time.time() > deadline:
+                raise StartError(f"the parameter server did not start within {START_SECONDS:.0f} s")
         try:
-            ok, text = self._get(self.ps.begin.remote(weights, self.run.global_steps.value, payload,
-                                                      self._fields(elapsed_offset)), timeout=START_SECONDS)
-        except Exception as e:  # it could not start (or not within START_SECONDS)
+            ok, text = ray.get(ref)
+        except Exception as e:  # it could not start
             raise StartError(f"the parameter server did not start ({type(e).__name__}: "
                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else 'no message'})") from None
         if not ok:
@@ -295,6 +387,9 @@ class RayRun:
                           + (f", from {status['recovered_from']}" if status.get("recovered_from") else "")
                           + f", at {status['global_steps']:,} global steps")
             self._ps_down_since = None
+        if self._ps_status is not None and self._ps_status["started"] != status["started"]:
+            self._joins = [0] * self.args.nodes  # a restarted server counts joins and per-node steps afresh
+            self._status_prev = None
         self._ps_status = status
         self.run.global_steps.slots[-1] = int(status["global_steps"])
         for i, n in enumerate(status["nodes"]):
@@ -382,12 +477,21 @@ class RayRun:
         """The parameter server writes the checkpoint (and, at the end, the ``.dat``) where a single-machine run
         does; raises ``CheckpointWriteError`` with its one line."""
         from checkpoint import CheckpointWriteError
+        from checkpoint import checkpoint_path
         fields = self._fields(elapsed)
+        if self._ps_down_since is not None and not final:  # it is restarting: its last checkpoint stays
+            self.log.info("checkpoint skipped: the parameter server is restarting")
+            return checkpoint_path(self.args.save_model_dir, self.args.env)
         try:
-            ok, text = self._get(self.ps.save.remote(fields, final and not self.args.save_max), timeout=120)
-        except Exception as e:
-            raise CheckpointWriteError(f"the parameter server did not write the checkpoint ({type(e).__name__})")
-        if not ok:
+            ok, text = self._get(self.ps.save.remote(fields, final and not self.args.save_max),
+                                 timeout=SAVE_SECONDS)
+        except Exception as e:  # died or restarting: the last complete checkpoint stays
+            if not final:
+                self.log.info(f"checkpoint skipped: the parameter server did not answer ({type(e).__name__})")
+                return checkpoint_path(self.args.save_model_dir, self.args.env)
+            raise CheckpointWriteError(f"the parameter server did not write the final checkpoint "
+                                       f"({type(e).__name__}); the last complete one is kept") from None
+        if not ok:  # it answered that the write failed (a full disk): a failure of the run, as on one machine
             raise CheckpointWriteError(text)
         return Path(text)
 
@@ -396,9 +500,10 @@ class RayRun:
         if not self.nodes:
             return
         refs = [n.stop.remote() for n in self.nodes]
+        deadline = time.time() + STOP_SECONDS  # one deadline for all: they stop in parallel
         for i, ref in enumerate(refs):
             try:
-                out = self._get(ref, timeout=STOP_SECONDS)
+                out = self._get(ref, timeout=max(0.5, deadline - time.time()))
             except Exception as e:
                 self.log.info(f"node {i} did not stop cleanly ({type(e).__name__}); its last updates since its "
                               f"last sync are lost")
@@ -418,9 +523,5 @@ class RayRun:
                 except Exception:
                     pass
         self.nodes, self.ps = [], None
-        if not disconnect:
-            return
-        try:
-            self.ray.shutdown()
-        except Exception:
-            pass
+        if disconnect:
+            shutdown_quietly(self.args.ray_address == "local")

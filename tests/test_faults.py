@@ -266,14 +266,14 @@ def load_saved(folder: Path) -> dict[str, dict]:
 
 
 def check_end(run: Run, fault_time: float, codes: set[int], *, traceback_ok: bool = False,
-              stopped: bool = True) -> int:
-    """The run ends within END_SECONDS of ``fault_time`` with one of ``codes``, leaving no process behind."""
-    code = run.wait_exit(fault_time + END_SECONDS)
+              stopped: bool = True, end_seconds: float = END_SECONDS) -> int:
+    """The run ends within ``end_seconds`` of ``fault_time`` with one of ``codes``, leaving no process behind."""
+    code = run.wait_exit(fault_time + end_seconds)
     if code is None:
         alive = run.processes()
-        raise AssertionError(f"the run was still going {END_SECONDS:.0f} s after the fault; processes: "
+        raise AssertionError(f"the run was still going {end_seconds:.0f} s after the fault; processes: "
                              f"{describe(alive)}{run.tail()}")
-    left = run.leftovers(fault_time + END_SECONDS)
+    left = run.leftovers(fault_time + end_seconds)
     assert not left, f"processes of the run left after it ended (exit {code}): {describe(left)}{run.tail()}"
     assert code in codes, f"exit code {code}, expected {sorted(codes)}{run.tail()}"
     if not traceback_ok:
