@@ -193,6 +193,18 @@ class Server:
         return self.join(timeout)
 
 
+def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters, stop) -> Server:
+    """The server of a run with ``args`` (not started): on the devices of ``--gpu-ids``, with the run's shared
+    ``optimizer``, or a private one built here when it is None (``--no-shared-optimizer``)."""
+    from shared_optim import make_optimizer
+    trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
+    if optimizer is None:
+        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
+    return Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), stop,
+                  num_predictors=args.predictors, num_trainers=args.trainers, trainer_devices=trainer_devices,
+                  predictor_devices=predictor_devices, sync_every=args.sync_every, seed=args.seed)
+
+
 def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters,
                    run) -> None:
     """Process entry point of GA3C's server: predictors and trainers over ``shared_model`` until ``run.stop``.
@@ -201,19 +213,12 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     ``--dynamic`` it follows the main process's wanted counts in ``counters.targets``. A failed thread (or any
     error here) is reported in ``run.errors[slot]`` and the process exits with code 1.
     """
-    from shared_optim import make_optimizer
     from utils import describe_failure, setup_child_process, use_device
     setup_child_process("ga3c server")
     try:
-        trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
-        use_device(trainer_devices[0])
+        use_device(ga3c_devices(args.gpu_ids)[0][0])
         torch.manual_seed(args.seed)
-        if optimizer is None:
-            optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
-        server = Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), run.stop,
-                        num_predictors=args.predictors, num_trainers=args.trainers,
-                        trainer_devices=trainer_devices, predictor_devices=predictor_devices,
-                        sync_every=args.sync_every, seed=args.seed).start()
+        server = build_server(args, shared_model, optimizer, buffers, counters, run.stop).start()
         run.mark_ready(slot)
         while not run.stop.is_set() and not server.halt.is_set():
             if args.dynamic:

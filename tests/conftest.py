@@ -37,3 +37,39 @@ def always_noop_model(n_actions: int, hidden: int = 16):
 @pytest.fixture
 def env_config() -> str:
     return str(ROOT / "config.json")
+
+
+def assert_same_optimizer_state(optimizer: torch.optim.Optimizer, params, reference: torch.optim.Optimizer,
+                                ref_params, names) -> None:
+    """Every statistic the optimizer keeps (Adam's moments and AMSGrad's running maximum, RMSprop's square
+    average, the step count) equals the reference ``torch.optim`` one's, parameter by parameter: after a few
+    steps AMSGrad moves the weights exactly as Adam does, so only its state tells them apart."""
+    for name, p, q in zip(names, params, ref_params):
+        mine, ref = optimizer.state[p], reference.state[q]
+        assert sorted(mine) == sorted(ref), f"{name}: optimizer state {sorted(mine)}, reference {sorted(ref)}"
+        for key in ref:
+            a, b = mine[key].float(), ref[key].float()
+            # float32 rounding of two gradient computations: ~1e-5 of the largest entry
+            assert (a - b).abs().max() <= 1e-3 * b.abs().max() + 1e-12, f"{name}: {key} differs from the reference"
+
+
+def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy_coef, value_coef) -> float:
+    """GA3C's reference gradient: the repo's A3C one segment at a time (upstream's batch-1 ``A3Clstm.forward`` at
+    every step from the segment's initial LSTM state, then ``ga3c.batch_losses.segment_loss``: ``losses.a3c_loss``,
+    with the importance-weighted policy term for ``is_clip``); the gradients accumulate over the segments in
+    ``model``'s ``.grad`` (zeroed first). Returns the summed loss."""
+    from ga3c.batch_losses import segment_loss
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in segments:
+        hx, cx = s.state
+        values, logits = [], []
+        for i in range(len(s)):
+            v, lg, (hx, cx) = model(s.frames[i: i + 1], (hx, cx))
+            values.append(v.view(1))
+            logits.append(lg)
+        loss = segment_loss(torch.cat(logits), torch.cat(values), s.actions, s.rewards, s.bootstrap, mu=s.mu,
+                            is_clip=is_clip, gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef)
+        loss.total.backward()
+        total += loss.total.item()
+    return total

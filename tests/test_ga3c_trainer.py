@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import segments_reference_backward
 from ga3c.batch_losses import (batched_returns_advantages, flat_index, importance_weights, padded,
                                segment_loss)
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows
@@ -101,21 +102,9 @@ LENGTHS, ENDS = [5, 2, 5, 3], ["cut", "term", "cut", "trunc"]
 
 
 def per_segment_reference(model, segments, is_clip):
-    """The repo's A3C one segment at a time: batch-1 ``A3Clstm.forward`` per step, then the segment's loss
-    (``losses.a3c_loss`` without weights); the gradients accumulate over segments."""
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for s in segments:
-        hx, cx = s.state
-        values, logits = [], []
-        for i in range(len(s)):
-            v, lg, (hx, cx) = model(s.frames[i: i + 1], (hx, cx))
-            values.append(v.view(1))
-            logits.append(lg)
-        loss = segment_loss(torch.cat(logits), torch.cat(values), s.actions, s.rewards, s.bootstrap, mu=s.mu,
-                            is_clip=is_clip, **KW)
-        loss.total.backward()
-        total += loss.total.item()
+    """The repo's A3C one segment at a time (``conftest.segments_reference_backward``): the summed loss and the
+    summed gradients."""
+    total = segments_reference_backward(model, segments, is_clip=is_clip, **KW)
     return total, [p.grad.clone() for p in model.parameters()]
 
 

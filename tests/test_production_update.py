@@ -14,6 +14,7 @@ permutation of themselves (conv2-conv4 off by about 2 x lr after one step).
 import pytest
 import torch
 
+from conftest import assert_same_optimizer_state
 from config import build_parser
 from environment import atari_env, load_env_config
 from model import A3Clstm
@@ -83,5 +84,6 @@ def test_worker_update_equals_the_reference_for_every_parameter(tmp_path, name, 
             diff = (sp.detach() - rp.detach()).abs().max().item()
             # float32 rounding of two different gradient computations: ~1e-6; a wrong update: ~lr
             assert diff <= 1e-2 * args.lr, f"update {u}: {key} differs from the reference by {diff:.3g} (lr {args.lr})"
+    assert_same_optimizer_state(optimizer, list(shared_model.parameters()), ref_opt, ref_params, names)
     moved = (shared_model.conv3.weight.detach() - A3Clstm(1, n, args.hidden_size).conv3.weight).abs().max()
     assert moved > 0

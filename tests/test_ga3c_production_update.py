@@ -1,0 +1,134 @@
+"""GA3C mode's whole update, as ``main.py --mode ga3c`` builds it and its server makes it, equals a slow,
+obviously-correct reference step for step, for every parameter and every optimizer option.
+
+Production path: the shared model and optimizer built as in ``main.py`` (the shared one from ``make_optimizer``,
+or the server's private one for ``--no-shared-optimizer``); ``Ga3cRun``'s env slots and counters; the server
+``server_process`` starts (``build_server``: its channels-last private predictor model,
+the predictor saving conv activations for the trainer unless ``--no-replay-activations``, its trainer with the
+channels-last working copy, ``GradientHandoff`` and the step lock); the agent's ``EnvRunner``s on real Pong.
+The predictor and the agent are stepped in this thread instead of their own (same calls, deterministic order).
+
+Reference: a contiguous model with the reference weights; for each segment, upstream's batch-1
+``A3Clstm.forward`` from the segment's initial LSTM state at every step, then ``segment_loss`` (the repo's
+``losses.a3c_loss``, with the importance-weighted policy term for ``--is-clip``); the gradients summed over the
+batch's segments, optionally clipped, then ``torch.optim`` with ``foreach=False`` (the plain per-tensor loop).
+
+The batches are made with no policy lag (the segments open when an update lands are dropped), so the frames' conv
+activations saved at acting time are exactly those of the current weights; the lag itself is covered in
+test_ga3c_trainer.py. This test fails when the fused Adam is handed the working copy's channels-last conv
+gradients unconverted (conv2-conv4 off by about lr after one step).
+"""
+import pytest
+import torch
+
+from conftest import assert_same_optimizer_state, segments_reference_backward
+from config import build_parser, validate_ga3c
+from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
+from ga3c.run import Ga3cRun
+from ga3c.server import build_server
+from ga3c.settings import Ga3cSettings
+from model import A3Clstm
+from shared_optim import make_optimizer
+
+UPDATES = 3
+
+
+def reference_optimizer(name, params, lr, amsgrad):
+    if name == "Adam":  # SharedAdam's and the private Adam's settings: eps 1e-3, betas (0.9, 0.999)
+        return torch.optim.Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad, foreach=False)
+    return torch.optim.RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=False)
+
+
+CASES = [  # (optimizer, amsgrad, shared, extra flags)
+    ("Adam", False, True, []), ("Adam", True, True, []), ("RMSprop", False, True, []),
+    ("Adam", False, False, []), ("Adam", True, False, []), ("RMSprop", False, False, []),
+    ("Adam", False, True, ["--max-grad-norm", "0.5"]),
+    ("Adam", True, True, ["--is-clip", "1.0"]),
+    ("RMSprop", False, True, ["--no-replay-activations", "--max-grad-norm", "0.5", "--is-clip", "10"]),
+]
+
+
+@pytest.mark.parametrize("name,amsgrad,shared,extra", CASES,
+                         ids=["-".join([n + ("-amsgrad" if a else ""), "shared" if s else "private"] +
+                                       [x.lstrip("-") for x in e]) for n, a, s, e in CASES])
+def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, amsgrad, shared, extra):
+    flags = ["--mode", "ga3c", "--optimizer", name, "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
+             "--train-batch", "2", "--num-steps", "8", "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path),
+             *extra]
+    if amsgrad:
+        flags.append("--amsgrad")
+    if not shared:
+        flags.append("--no-shared-optimizer")
+    args = build_parser().parse_args(flags)
+    assert validate_ga3c(args) == []
+    settings = Ga3cSettings.from_args(args)
+    assert settings.replay_activations == ("--no-replay-activations" not in extra)
+
+    # main.py
+    factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
+    envs = [factory(s) for s in range(args.envs_per_agent)]
+    n = envs[0].action_space.n
+    torch.manual_seed(args.seed)
+    shared_model = A3Clstm(1, n, args.hidden_size)
+    shared_model.share_memory()
+    optimizer = (make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
+                 if args.shared_optimizer else None)
+    run = Ga3cRun(args, shared_model, optimizer, log=None)
+    try:
+        # server_process
+        server = build_server(args, shared_model, optimizer, run.buffers, run.counters, run.run.stop)
+        (predictor,), (trainer,) = server.predictors, server.trainers
+        assert trainer.model.conv3.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not trainer.model.conv3.weight.is_contiguous() and shared_model.conv3.weight.is_contiguous()
+        assert predictor.save_activations == settings.replay_activations
+        # agent_process
+        stepper = AgentStepper(0, [EnvRunner(s, envs[s], run.buffers, args.seed + s) for s in range(len(envs))],
+                               run.buffers, run.counters)
+        stepper.begin()
+
+        ref_model = A3Clstm(1, n, args.hidden_size)
+        ref_model.load_state_dict(shared_model.state_dict())
+        ref_params = list(ref_model.parameters())
+        ref_opt = reference_optimizer(name, ref_params, args.lr, args.amsgrad)
+        names = [k for k, _ in shared_model.named_parameters()]
+        initial = A3Clstm(1, n, args.hidden_size)
+        initial.load_state_dict(shared_model.state_dict())
+
+        for u in range(UPDATES):
+            batch = []
+            for _ in range(500):
+                predictor.step()
+                stepper.poll()
+                while not server.segments.empty() and len(batch) < settings.train_batch:
+                    batch.append(server.segments.get_nowait())
+                if len(batch) == settings.train_batch:
+                    break
+            assert len(batch) == settings.train_batch, "the predictor closed no segments"
+            assert all(seg.acts is not None for seg in batch) == settings.replay_activations
+            result = trainer.update(batch)
+            assert result.lag_max == 0 and result.steps == sum(len(seg) for seg in batch)
+            # no policy lag in the next batch: drop what was acted on with the old weights
+            server.open_segments.clear()
+            while not server.segments.empty():
+                server.segments.get_nowait()
+
+            segments_reference_backward(ref_model, batch, is_clip=settings.is_clip, gamma=settings.gamma,
+                                        tau=settings.tau, entropy_coef=settings.entropy_coef,
+                                        value_coef=settings.value_coef)
+            if settings.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(ref_params, settings.max_grad_norm)
+            ref_opt.step()
+
+            for key, sp, rp in zip(names, shared_model.parameters(), ref_params):
+                assert sp.grad is not None and sp.grad.stride() == sp.stride(), f"update {u}: {key} grad layout"
+                diff = (sp.detach() - rp.detach()).abs().max().item()
+                # float32 rounding of two different gradient computations: ~1e-6; a wrong update: ~lr
+                assert diff <= 1e-2 * args.lr, f"update {u}: {key} differs from the reference by {diff:.3g}"
+        assert run.counters.version == UPDATES
+        assert_same_optimizer_state(trainer.optimizer, list(shared_model.parameters()), ref_opt, ref_params, names)
+        for key, p, q in zip(names, shared_model.parameters(), initial.parameters()):
+            assert (p.detach() - q.detach()).abs().max() > 0, f"{key} never moved"
+    finally:
+        for env in envs:
+            env.close()
+        run.release()
