@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="output image: .png, .svg or .pdf (default: runs/<env>_curves.png)")
     p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")
     p.add_argument("--title", default=None, help="figure title (default: env and run names)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="draw each curve up to this many global agent steps, to compare runs over the same "
+                        "budget (default: all games)")
     p.add_argument("--labels", nargs="+", default=None,
                    help="legend names, one per curve in input order (default: the run folders' names, or the "
                         "file names where those repeat)")
@@ -122,10 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
+    if args.max_steps is not None and args.max_steps < 1:
+        errors.append(f"--max-steps must be >= 1, got {args.max_steps}")
     curves, empty = [], []
     for path in paths:
         try:
-            curves.append((path, read_curve(path)))
+            curve = read_curve(path)
+            if args.max_steps is not None and args.max_steps >= 1:
+                keep = [i for i, s in enumerate(curve["steps"]) if s <= args.max_steps]
+                if not keep:
+                    raise ValueError(f"{path} has no game at or before --max-steps {args.max_steps}")
+                curve = {k: [v[i] for i in keep] for k, v in curve.items()}
+            curves.append((path, curve))
         except NoGamesYet as e:
             empty.append(str(e))
         except (ValueError, KeyError, OSError) as e:

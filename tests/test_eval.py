@@ -159,6 +159,25 @@ def test_bad_inputs(tmp_path, model_dir):
     assert "needs a display" in line
 
 
+def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch, capsys):
+    import plot
+    rows = ["wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean"]
+    rows += [f"{1e9 + i},{10.0 * i},{steps},{score},100,1.0,0,"
+             for i, (steps, score) in enumerate([(100, -21), (900, -20), (800, -19), (2000, 5), (3000, 21)])]
+    csv = tmp_path / "a_monitor.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    drawn = []
+    real = plot.rolling_mean
+    monkeypatch.setattr(plot, "rolling_mean", lambda values, window: drawn.append(list(values)) or real(values, window))
+    out = str(tmp_path / "a.png")
+    assert plot.main([str(csv), "--out", out, "--max-steps", "1000"]) == 0
+    assert drawn == [[-21.0, -20.0, -19.0]]  # the games at or before 1,000 steps, the out-of-order one included
+    assert plot.main([str(csv), "--out", out, "--max-steps", "99"]) == 2
+    assert "has no game at or before --max-steps 99" in capsys.readouterr().err
+    assert plot.main([str(csv), "--out", out, "--max-steps", "0"]) == 2
+    assert "--max-steps must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_plot_bad_input(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
