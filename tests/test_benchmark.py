@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT, run_entry
 
 
+@pytest.mark.slow  # 70 s: every part of the benchmark runs, each a few seconds
 def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     out, run_dir = tmp_path / "bench.json", tmp_path / "run"
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",

@@ -160,6 +160,7 @@ def test_the_ga3c_flags_are_checked_in_either_mode():
     assert "--trainers must be >= 1, got 0" in validate(build_parser().parse_args(["--trainers", "0"]))
 
 
+@pytest.mark.slow  # 40 s; the adjuster's rule and the server's thread changes are in test_ga3c_dynamic.py
 def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_path):
     r = run_entry("main.py", *GA3C, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"),
                   "--max-steps", "0", "--max-seconds", "35", "--status-every-seconds", "4", "--dynamic",

@@ -240,7 +240,8 @@ def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch,
     """Two nodes; kill -9 node 0's actor process once it trains: Ray restarts it, it rejoins from the global
     weights and trains again while node 1 goes on; then Ctrl-C (SIGINT to the run's process group, as a
     terminal sends it) stops everything: exit 130, no process of the run and no Ray process left, loadable
-    checkpoint and .dat written by the parameter server; a single-machine run and a multi-node run both resume."""
+    checkpoint and .dat written by the parameter server; a single-machine run resumes from them (a multi-node
+    resume: the slow test below)."""
     run = launch(ray_args(tmp_path))
     pid = int(run.wait_for_output(r"node 0: pid (\d+) on", RAY_START_SECONDS).group(1))
     run.poll_until(lambda: node_steps(run, 0) > 0, RAY_START_SECONDS, "node 0 training")
@@ -263,17 +264,28 @@ def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch,
     ckpt = saved[CKPT]
     assert ckpt["global_steps"] > 0 and ckpt["optimizer"] is not None and "ray_run_id" in ckpt
     assert set(saved) == {CKPT, "PongNoFrameskip-v4.dat"}
-    # a multi-node run continues from it to a step budget (exit 0, every node's last sync counted) ...
-    steps = ckpt["global_steps"]
+    # a single-machine run continues from the checkpoint the parameter server wrote
+    assert resume_run(launch, tmp_path) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_ray_run_stops_at_its_budget_and_a_ray_run_continues_from_its_checkpoint(launch, tmp_path):
+    """A two-node run to a step budget exits 0 with nothing left; ``--load`` continues it to a larger budget
+    (every node's last sync counted) from the parameter server's checkpoint."""
+    first = launch(ray_args(tmp_path, "--max-steps", "300"))
+    code = first.wait_exit(time.monotonic() + RAY_START_SECONDS + 120)
+    assert code == 0, f"exit {code}{first.tail()}"
+    assert not first.leftovers(time.monotonic() + 5), describe(first.processes())
+    steps = load_saved(models_dir(tmp_path))[CKPT]["global_steps"]
+    assert steps >= 300
     again = launch(ray_args(tmp_path, "--load", "--max-steps", str(steps + 200)), name="ray-resume")
     code = again.wait_exit(time.monotonic() + RAY_START_SECONDS + 120)
     assert code == 0, f"exit {code}{again.tail()}"
     assert not again.leftovers(time.monotonic() + 5), describe(again.processes())
     assert f"at {steps:,} global steps" in again.stdout()
-    resumed = load_saved(models_dir(tmp_path))[CKPT]
-    assert resumed["global_steps"] >= steps + 200
-    # ... and so does a single-machine run, from the checkpoint the parameter server wrote
-    assert resume_run(launch, tmp_path) is not None
+    assert load_saved(models_dir(tmp_path))[CKPT]["global_steps"] >= steps + 200
+    assert not ray_processes(again)
 
 
 @pytest.mark.slow
