@@ -196,8 +196,18 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
     shared.share_memory()
     optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
     log = logging.getLogger("benchmark.ga3c")
-    log.addHandler(logging.NullHandler())
     log.propagate = False
+    dynamic_events: list[str] = []  # --dynamic's decisions, as main.py would log them
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith("[dynamic] "):
+                dynamic_events.append(f"{time.perf_counter() - started:.0f} s: {msg[len('[dynamic] '):]}")
+
+    log.handlers[:] = [Collect()]
+    log.setLevel(logging.INFO)
+    started = time.perf_counter()
     mode = Ga3cRun(args, shared, optimizer, log)
     run = mode.run
     procs = mode.launch(ctx)
@@ -218,7 +228,9 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
             rss.append({role: psutil.Process(p.pid).memory_info().rss / 2 ** 20 for role, p in procs if p.is_alive()})
         s1, u1, n1, t1 = run.global_steps.value, mode.counters.version, mode.trained_steps(), time.perf_counter()
         lag_mean, lag_max, _ = mode.counters.lag_summary(lag0)
-        dead = [role for role, p in procs if not p.is_alive()]
+        counts_end = [int(v) for v in mode.counters.active.tolist()]  # NT, NP, NA running at the end
+        # agents that --dynamic retired exit 0 on purpose (procs grows as it starts new ones)
+        dead = [role for role, p in procs if not p.is_alive() and not mode.expected_exit(role, p, False)]
     finally:
         shutdown(procs, run, slot_of=mode.slot_of)
         mode.close()
@@ -226,8 +238,8 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
         raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "updates_per_s": (u1 - u0) / (t1 - t0), "trained_steps_per_s": (n1 - n0) / (t1 - t0),
-            "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
-            "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+            "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "counts_end": counts_end,
+            "dynamic_events": dynamic_events, "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
 
 
 def model_flops_per_step(num_steps: int = 20) -> dict:
@@ -564,7 +576,8 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
             raise SystemExit("benchmark.py: error: --ga3c-flags: " + "; ".join(problems))
         g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
-                                                     "predict_batch", "train_batch", "queue_size", "num_steps")}
+                                                     "predict_batch", "train_batch", "queue_size", "num_steps",
+                                                     "dynamic")}
         res["roof_fraction_ga3c"] = g["steps_per_s"] * flop / (roof * 1e9)
         res["ga3c_over_a3g"] = g["steps_per_s"] / tr["steps_per_s"]
         print(f"GA3C mode ({' '.join(f'{k}={v}' for k, v in g['flags'].items())}) + monitor: "
@@ -572,6 +585,10 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
               f"{g['updates_per_s']:.1f} updates/s, policy lag mean {g['policy_lag_mean']:.2f} max "
               f"{g['policy_lag_max']}; {res['roof_fraction_ga3c']:.2f} of the compute roof; "
               f"GA3C / A3G {res['ga3c_over_a3g']:.2f}x", flush=True)
+        for event in g["dynamic_events"]:
+            print(f"  --dynamic at {event}", flush=True)
+        if gargs.dynamic:
+            print("  --dynamic ran NT {} NP {} NA {} at the end".format(*g["counts_end"]), flush=True)
         print("GA3C resident memory MiB (start -> end of window): " + ", ".join(
             f"{k} {g['rss_mib_start'][k]:.0f} -> {g['rss_mib_end'].get(k, float('nan')):.0f}"
             for k in g["rss_mib_start"]), flush=True)

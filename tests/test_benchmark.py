@@ -108,3 +108,19 @@ def test_no_gpu_readings_without_a_working_nvidia_smi(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     assert bench.gpu_sample({}) is None  # a driver that does not answer
+
+
+@pytest.mark.slow
+def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tmp_path):
+    """With ``--dynamic`` an agent that the adjuster retires exits 0 on purpose: the benchmark must not take it for
+    a death (it did). Seed 1: the adjuster's first trial is NA 1, so agent 1 is retired after the first window."""
+    out = tmp_path / "bench.json"
+    proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--modes-only", "--warmup", "3", "--window", "10",
+                     "--json", str(out), "--ga3c-flags", "--agents 2 --envs-per-agent 2 --num-steps 5 --train-batch 1 "
+                     "--hidden-size 32 --seed 1 --dynamic --dynamic-seconds 2 --dynamic-max 1 1 3",
+                     cwd=tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    g = json.loads(out.read_text())["ga3c"]
+    assert g["flags"]["dynamic"] and g["steps"] > 0
+    assert any(e.endswith("try NT 1 NP 1 NA 1 (from NT 1 NP 1 NA 2)") for e in g["dynamic_events"]), g
+    assert "--dynamic at" in proc.stdout and "--dynamic ran NT 1 NP 1 NA" in proc.stdout
