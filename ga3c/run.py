@@ -88,9 +88,10 @@ class Ga3cRun:
     def restore(self, ckpt: dict) -> None:
         self.run.restore(ckpt)
         self.counters.restore(self.run.global_steps.value, int(ckpt.get("ga3c_updates", 0)))
+        self.console.resume(self.run.global_steps.value, self.counters.version, int(ckpt.get("ga3c_episodes", 0)))
 
     def snapshot(self) -> dict:
-        return {"ga3c_updates": self.counters.version}
+        return {"ga3c_updates": self.counters.version, "ga3c_episodes": self.console.episodes}
 
     def slot_of(self, role: str) -> int:
         if role == "monitor":
@@ -104,6 +105,7 @@ class Ga3cRun:
         from test import test
         self._ctx = ctx
         self.results = ResultsWriter(results_path(self.args.log_dir))
+        self.console.restart_clock(time.time())
         lifeline.mark_children()
         self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
                                                      self.buffers, self.counters, self.run))

@@ -12,7 +12,8 @@ Like ``run_state``, everything shared is a tensor in shared memory with one writ
 - ``ConsoleStats``: GA3C's per-episode line
   ``[Time: %8d] [Episode: %8d Score: %10.4f] [RScore: %10.4f RPPS: %5d] [PPS: %5d TPS: %5d] [NT: %2d NP: %2d NA: %2d]``
   with RScore and RPPS over the last ``window`` games (1000 upstream), PPS (agent steps) and TPS (updates) per
-  second since the start, and ``results_line`` / ``ResultsWriter`` for upstream's ``results.txt``
+  second since the start (a resumed run counts only its own steps and updates; Episode goes on from the
+  checkpoint's count, as upstream's did), and ``results_line`` / ``ResultsWriter`` for upstream's ``results.txt``
   (``YYYY-MM-DD HH:MM:SS, score, length``, one line per game).
 """
 from __future__ import annotations
@@ -186,7 +187,8 @@ class ConsoleStats:
     ``add(episode)`` for each finished game, then ``line(now, steps, updates, nt, np, na)`` for that game:
     RScore is the mean score of the last ``window`` games; RPPS the agent steps of those games divided by the
     time since the end of the game that dropped out of the window (the start while fewer than ``window`` games
-    were played); PPS and TPS are the exact step and update counts per second since the start.
+    were played); PPS and TPS are the exact step and update counts per second since the start. A resumed run
+    passes the checkpoint's counts to ``resume`` so that its rates count only its own steps and updates.
     """
 
     def __init__(self, start_time: float, window: int = 1000, episodes: int = 0):
@@ -197,6 +199,17 @@ class ConsoleStats:
         self.rolling_score = 0.0
         self.rolling_steps = 0
         self.episodes = episodes
+        self.base_steps = 0
+        self.base_updates = 0
+
+    def resume(self, steps: int, updates: int, episodes: int) -> None:
+        """Counts at the checkpoint this run starts from: excluded from PPS and TPS; Episode goes on from
+        ``episodes``."""
+        self.base_steps, self.base_updates, self.episodes = steps, updates, episodes
+
+    def restart_clock(self, now: float) -> None:
+        """The run's processes start now: Time, PPS and TPS count from here."""
+        self.start_time = self.first_time = now
 
     def add(self, episode: Episode) -> None:
         self.episodes += 1
@@ -215,7 +228,8 @@ class ConsoleStats:
         span = max(now - self.first_time, 1e-9)
         rscore = self.rolling_score / len(self.recent)
         return format_stats_line(elapsed, self.episodes, last.score, rscore, self.rolling_steps / span,
-                                 steps / elapsed, updates / elapsed, nt, np_, na)
+                                 (steps - self.base_steps) / elapsed, (updates - self.base_updates) / elapsed,
+                                 nt, np_, na)
 
 
 def results_line(when: float | datetime, score: float, length: int) -> str:

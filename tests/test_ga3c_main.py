@@ -75,6 +75,8 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     assert f"at {ckpt2['global_steps']:,} global steps" in r.stdout
     ckpt3 = torch.load(ckpt_path, weights_only=True)
     assert ckpt3["global_steps"] >= ckpt2["global_steps"] + 150 and ckpt3["ga3c_updates"] > 11
+    # the A3G checkpoint had no GA3C games: this run numbered its own from 1 and saved the count
+    assert ckpt3["ga3c_episodes"] == len([m for m in CONSOLE.finditer(r.stdout)])
     assert len((tmp_path / "logs" / "results.txt").read_text().splitlines()) >= len(results)  # appended
 
     # the GA3C model evaluates with gym_eval.py unchanged

@@ -45,6 +45,39 @@ def test_console_stats_rolling_window():
     assert line == format_stats_line(40, 3, 5.0, 4.0, 800 / 30, 100, 2, 2, 1, 4)
 
 
+def test_a_resumed_console_counts_only_its_own_steps_and_updates_and_goes_on_numbering_games():
+    stats = ConsoleStats(start_time=0.0, window=10)
+    stats.resume(steps=500_000, updates=6_000, episodes=300)  # the checkpoint's counts
+    stats.restart_clock(1000.0)
+    stats.add(Episode(1005.0, -20.0, 800))
+    # 10 s after the processes started: 2,000 steps and 25 updates of this run, not 502,000 and 6,025
+    assert stats.line(1010.0, steps=502_000, updates=6_025, nt=2, np_=1, na=2) == format_stats_line(
+        10, 301, -20.0, -20.0, 800 / 10, 200, 2, 2, 1, 2)
+
+
+def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_the_game_count(tmp_path):
+    from config import build_parser
+    from ga3c.run import Ga3cRun
+    from model import A3Clstm
+
+    class Lines(list):
+        info = list.append
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "2",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=Lines())
+    run.restore({"global_steps": 500_000, "ga3c_updates": 6_000, "ga3c_episodes": 300})
+    run.console.restart_clock(1000.0)  # what launch() does as the processes start
+    run.counters.add_steps(0, 2_000)
+    for _ in range(25):
+        run.counters.record_update(0, steps=80, segments=4, lag_mean=1.0, lag_max=2, policy=0.0, value=0.0,
+                                   entropy=1.0, grad_norm=1.0)
+    run.episodes.record(0, -20.0, 800, when=1005.0)
+    run.tick(1010.0)
+    assert run.log == [format_stats_line(10, 301, -20.0, -20.0, 80, 200, 2, 0, 0, 0)]  # nothing launched
+    assert run.snapshot() == {"ga3c_updates": 6_025, "ga3c_episodes": 301}
+
+
 def test_counters_are_exact_sums_and_the_version_is_the_update_count():
     c = Ga3cCounters(max_agents=3, max_predictors=2, max_trainers=2)
     c.restore(steps=1000, updates=10)  # a resumed run
