@@ -250,22 +250,35 @@ class _Replay(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * (2 * len(convs))
         g = grad.reshape(blocks[-1][2].shape)
         for k in range(len(convs) - 1, -1, -1):
-            conv, (block_input, indices, output) = convs[k], blocks[k]
-            g = torch.ops.aten.threshold_backward(g, output, 0)
-            pre_pool = (indices.shape[0], conv.out_channels,
-                        block_input.shape[2] + 2 * conv.padding[0] - conv.kernel_size[0] + 1,
-                        block_input.shape[3] + 2 * conv.padding[1] - conv.kernel_size[1] + 1)
-            like = torch.empty(pre_pool, device=g.device, dtype=g.dtype,
-                               memory_format=torch.channels_last if indices.is_contiguous(
-                                   memory_format=torch.channels_last) else torch.contiguous_format)
-            g = torch.ops.aten.max_pool2d_with_indices_backward(g, like, [2, 2], [2, 2], [0, 0], [1, 1], False,
-                                                               indices)
-            g_in, g_w, g_b = torch.ops.aten.convolution_backward(
-                g, block_input, conv.weight, [conv.out_channels], list(conv.stride), list(conv.padding),
-                list(conv.dilation), False, [0, 0], 1, [k > 0, True, True])
-            grads[2 * k], grads[2 * k + 1] = g_w, g_b
-            g = g_in
+            g = torch.ops.aten.threshold_backward(g, blocks[k][2], 0)
+            if k:
+                g, grads[2 * k], grads[2 * k + 1] = _block_backward(g, convs[k], blocks[k], True)
+            else:  # its gradient has 32 x 80 x 80 floats per frame: a few frames at a time stay in the cache
+                chunk = FIRST_BLOCK_CHUNK
+                parts = [_block_backward(g[i: i + chunk], convs[0], [t[i: i + chunk] for t in blocks[0]], False)
+                         for i in range(0, g.shape[0], chunk)]
+                grads[0] = torch.stack([p[1] for p in parts]).sum(0)
+                grads[1] = torch.stack([p[2] for p in parts]).sum(0)
         return (None, None, *grads)
+
+
+FIRST_BLOCK_CHUNK = 4  # frames per piece of the first conv block's backward (benchmarks/budget.py measures it)
+
+
+def _block_backward(g: torch.Tensor, conv: nn.Conv2d, block, input_grad: bool):
+    """A conv block's backward from the gradient of its max-pool output (after the ReLU's): max-pool backward
+    with the saved indices, then the convolution's. Returns ``(input grad or None, weight grad, bias grad)``."""
+    block_input, indices, _ = block
+    pre_pool = (indices.shape[0], conv.out_channels,
+                block_input.shape[2] + 2 * conv.padding[0] - conv.kernel_size[0] + 1,
+                block_input.shape[3] + 2 * conv.padding[1] - conv.kernel_size[1] + 1)
+    like = torch.empty(pre_pool, device=g.device, dtype=g.dtype,
+                       memory_format=torch.channels_last if indices.is_contiguous(
+                           memory_format=torch.channels_last) else torch.contiguous_format)
+    g = torch.ops.aten.max_pool2d_with_indices_backward(g, like, [2, 2], [2, 2], [0, 0], [1, 1], False, indices)
+    return torch.ops.aten.convolution_backward(
+        g, block_input, conv.weight, [conv.out_channels], list(conv.stride), list(conv.padding),
+        list(conv.dilation), False, [0, 0], 1, [input_grad, True, True])
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -124,3 +124,26 @@ def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tm
     assert g["flags"]["dynamic"] and g["steps"] > 0
     assert any(e.endswith("try NT 1 NP 1 NA 1 (from NT 1 NP 1 NA 2)") for e in g["dynamic_events"]), g
     assert "--dynamic at" in proc.stdout and "--dynamic ran NT 1 NP 1 NA" in proc.stdout
+
+
+def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
+    out = tmp_path / "budget.json"
+    proc = run_entry("benchmarks/budget.py", "--envs", "3", "--train-batch", "2", "--num-steps", "3", "--repeats",
+                     "1", "--rollouts", "1", "--env-steps", "20", "--json", str(out), cwd=tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    m = res["median_ms"]
+    assert set(m) == {"env", "a3g_act", "a3g_update", "ga3c_act", "ga3c_update", "ga3c_update_unchunked"}
+    assert all(v > 0 for v in m.values())
+    for mode in ("a3g", "ga3c"):
+        total = m["env"] + m[f"{mode}_act"] + m[f"{mode}_update"]
+        assert abs(res[f"{mode}_step_ms"] - total) < 1e-9
+        assert abs(res[f"{mode}_ceiling_steps_per_s"] - os.cpu_count() * 1000 / total) < 1e-9
+    assert abs(res["ceiling_ratio"] - res["a3g_step_ms"] / res["ga3c_step_ms"]) < 1e-9
+    assert "GA3C / A3G at most" in proc.stdout
+
+
+@pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"]])
+def test_the_step_budget_rejects_bad_sizes_in_one_line(tmp_path, flags):
+    proc = run_entry("benchmarks/budget.py", *flags, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "budget.py: error: --" in proc.stderr
