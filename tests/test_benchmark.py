@@ -117,7 +117,7 @@ def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tm
     out = tmp_path / "bench.json"
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--modes-only", "--warmup", "3", "--window", "10",
                      "--json", str(out), "--ga3c-flags", "--agents 2 --envs-per-agent 2 --num-steps 5 --train-batch 1 "
-                     "--hidden-size 32 --seed 1 --dynamic --dynamic-seconds 2 --dynamic-max 1 1 3",
+                     "--hidden-size 32 --trainers 1 --seed 1 --dynamic --dynamic-seconds 2 --dynamic-max 1 1 3",
                      cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     g = json.loads(out.read_text())["ga3c"]

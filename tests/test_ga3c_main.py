@@ -21,7 +21,7 @@ from test_faults import (START_SECONDS, check_end, launch, load_saved,  # noqa: 
 
 ENV_ID = "PongNoFrameskip-v4"
 GA3C = ["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--num-steps", "5", "--train-batch", "2",
-        "--queue-size", "1"]
+        "--queue-size", "1", "--trainers", "1"]
 COMMON = ["--hidden-size", "32", "--test-every-steps", "150", "--env-config", str(ROOT / "config.json"),
           "--max-steps", "0", "--max-episode-length", "200", "--target-score", "-1000", "--score-window"]
 CONSOLE = re.compile(r"\[Time: +\d+\] \[Episode: +\d+ Score: +-?\d+\.\d{4}\] \[RScore: +-?\d+\.\d{4} RPPS: +\d+\] "

@@ -53,7 +53,7 @@ CASES = [  # (optimizer, amsgrad, shared, extra flags)
                                        [x.lstrip("-") for x in e]) for n, a, s, e in CASES])
 def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, amsgrad, shared, extra):
     flags = ["--mode", "ga3c", "--optimizer", name, "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
-             "--train-batch", "2", "--num-steps", "8", "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path),
+             "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path),
              *extra]
     if amsgrad:
         flags.append("--amsgrad")
