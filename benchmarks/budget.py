@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import model as model_module  # noqa: E402
-from benchmark import machine, matmul_gflops, our_step_ms  # noqa: E402
+from benchmark import machine, matmul_gflops, model_flops_per_step, our_step_ms  # noqa: E402
 from config import build_parser  # noqa: E402
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows  # noqa: E402
 from ga3c.settings import Ga3cSettings  # noqa: E402
@@ -157,6 +157,10 @@ def measure(opts: argparse.Namespace) -> dict:
         res[f"{mode}_ceiling_steps_per_s"] = cores * 1000 / total
     res["ceiling_ratio"] = res["a3g_step_ms"] / res["ga3c_step_ms"]
     res["matmul_gflops_1_thread"] = matmul_gflops()
+    res["model_mflop_per_step"] = model_flops_per_step(opts.num_steps)["total"] / 1e6
+    for mode in ("a3g", "ga3c"):  # benchmark.py's roof fraction, were the mode to run at its ceiling
+        res[f"{mode}_ceiling_roof_fraction"] = (res[f"{mode}_ceiling_steps_per_s"] * res["model_mflop_per_step"]
+                                                / (res["matmul_gflops_1_thread"] * 1000 * cores))
     return res
 
 
@@ -174,7 +178,10 @@ def report(res: dict) -> None:
           f"{res['ga3c_ceiling_steps_per_s']:.0f} steps/s; GA3C / A3G at most {res['ceiling_ratio']:.2f}x")
     print(f"GA3C update with the first conv block's backward in one piece: {m['ga3c_update_unchunked']:.2f} ms, "
           f"in pieces of {model_module.FIRST_BLOCK_CHUNK} frames: {m['ga3c_update']:.2f} ms")
-    print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread")
+    print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread; {res['model_mflop_per_step']:.0f} "
+          f"MFLOP per step (benchmark.py's count): at their ceilings A3G mode would reach "
+          f"{res['a3g_ceiling_roof_fraction']:.2f} and GA3C mode {res['ga3c_ceiling_roof_fraction']:.2f} of the "
+          f"compute roof")
 
 
 def budget_parser() -> argparse.ArgumentParser:

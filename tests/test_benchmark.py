@@ -140,6 +140,9 @@ def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
         assert abs(res[f"{mode}_step_ms"] - total) < 1e-9
         assert abs(res[f"{mode}_ceiling_steps_per_s"] - os.cpu_count() * 1000 / total) < 1e-9
     assert abs(res["ceiling_ratio"] - res["a3g_step_ms"] / res["ga3c_step_ms"]) < 1e-9
+    roof = res["matmul_gflops_1_thread"] * 1000 * os.cpu_count()
+    assert abs(res["ga3c_ceiling_roof_fraction"] - res["ga3c_ceiling_steps_per_s"] * res["model_mflop_per_step"]
+               / roof) < 1e-9
     assert "GA3C / A3G at most" in proc.stdout
 
 
