@@ -20,8 +20,9 @@ from test_faults import (START_SECONDS, check_end, launch, load_saved,  # noqa: 
                          models_dir, wait_for_steps)
 
 ENV_ID = "PongNoFrameskip-v4"
-GA3C = ["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--num-steps", "5", "--train-batch", "2",
-        "--queue-size", "1", "--trainers", "1"]
+GA3C_RUN = ["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--num-steps", "5", "--train-batch", "2",
+            "--queue-size", "1"]  # the default two trainers: the fault tests
+GA3C = [*GA3C_RUN, "--trainers", "1"]  # one trainer: the update-count bound below, NT in the console line
 COMMON = ["--hidden-size", "32", "--test-every-steps", "150", "--env-config", str(ROOT / "config.json"),
           "--max-steps", "0", "--max-episode-length", "200", "--target-score", "-1000", "--score-window"]
 CONSOLE = re.compile(r"\[Time: +\d+\] \[Episode: +\d+ Score: +-?\d+\.\d{4}\] \[RScore: +-?\d+\.\d{4} RPPS: +\d+\] "
@@ -88,7 +89,7 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
 
 
 def ga3c_fault_args(tmp_path, *extra):
-    return [*GA3C, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"), "--max-steps", "0",
+    return [*GA3C_RUN, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"), "--max-steps", "0",
             "--max-episode-length", "300", "--test-every-steps", "2000", "--checkpoint-every-seconds", "0.5",
             "--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *extra]
 
@@ -118,7 +119,7 @@ def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa:
 
 def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path):  # noqa: F811
     fired = tmp_path / "fired"
-    run = launch(ga3c_fault_args(tmp_path), env={
+    run = launch(ga3c_fault_args(tmp_path, "--trainers", "1"), env={
         "PYTHONPATH": str(ROOT / "tests" / "fault_hooks"), "A3G_FAULT": "short_error",
         "A3G_FAULT_ROLE": "a3g ga3c server", "A3G_FAULT_AFTER": "2", "A3G_FAULT_FIRED": str(fired)})
     run.poll_until(fired.exists, START_SECONDS, "the injected trainer failure")
