@@ -253,8 +253,8 @@ class _Replay(torch.autograd.Function):
             g = torch.ops.aten.threshold_backward(g, blocks[k][2], 0)
             if k:
                 g, grads[2 * k], grads[2 * k + 1] = _block_backward(g, convs[k], blocks[k], True)
-            else:  # its gradient has 32 x 80 x 80 floats per frame: a few frames at a time stay in the cache
-                chunk = FIRST_BLOCK_CHUNK
+            else:  # its gradient has 32 x 80 x 80 floats per frame: on a CPU, a few frames at a time stay in cache
+                chunk = FIRST_BLOCK_CHUNK if g.device.type == "cpu" else g.shape[0]
                 parts = [_block_backward(g[i: i + chunk], convs[0], [t[i: i + chunk] for t in blocks[0]], False)
                          for i in range(0, g.shape[0], chunk)]
                 grads[0] = torch.stack([p[1] for p in parts]).sum(0)
