@@ -43,6 +43,65 @@ NODE_START_SECONDS = 600.0  # a node that has not answered this long after its s
 SHUTDOWN_SECONDS = 8.0  # Ray's own shutdown, before a local cluster's processes are killed
 STOP_SECONDS = 10.0  # nodes get this long (together) to stop their workers and make their last sync
 SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
+START_GRACE_SECONDS = 10.0  # after a stop signal, how long a Ray call of the start-up may keep the driver waiting
+
+
+class StartupWatch:
+    """Ends the driver when a stop signal arrives while it is stuck in a Ray call during the start-up.
+
+    A Ctrl-C or SIGTERM sent to the whole process group also reaches a ``local`` cluster's own processes, and a
+    Ray call the driver is making (seen: creating the parameter server's actor, which waits on the cluster's
+    control store) can then block for a minute or more inside Ray's C++ client, where Python cannot run its
+    signal handlers. The C-level handler still writes the signal's number to the pipe given to
+    ``signal.set_wakeup_fd``: a thread reading it gives the start-up ``grace`` seconds to notice the stop by
+    itself (the usual path) and otherwise calls ``on_stuck(signum)``, kills the processes this driver started
+    (``local`` only) and exits with 128 + the signal's number. ``pending()`` returns a stop signal that Python
+    already handled (``StopSignals.signal``: it may have come just before the watch began), or None. Use it as a
+    context manager in the main thread.
+    """
+
+    def __init__(self, local: bool, on_stuck, pending=lambda: None, grace: float = START_GRACE_SECONDS):
+        self.local, self.on_stuck, self.pending, self.grace = local, on_stuck, pending, grace
+        self._done = threading.Event()
+        self._fds: tuple[int, int] | None = None
+        self._old_fd = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "StartupWatch":
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._fds = (r, w)
+        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="start-up watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._done.set()
+        signal.set_wakeup_fd(self._old_fd)
+        self._thread.join(1.0)
+        for fd in self._fds:
+            os.close(fd)
+        return False
+
+    def _watch(self) -> None:
+        import select
+        r = self._fds[0]
+        while not self._done.is_set():
+            stops = []
+            if select.select([r], [], [], 0.2)[0]:
+                stops = [b for b in os.read(r, 64) if b in (int(signal.SIGINT), int(signal.SIGTERM))]
+            signum = stops[0] if stops else self.pending()
+            if signum is not None and not self._done.wait(self.grace):
+                self.end(int(signum))
+
+    def end(self, signum: int) -> None:
+        try:
+            self.on_stuck(signum)
+        finally:
+            if self.local:
+                kill_local_cluster()
+            os._exit(128 + signum)
 
 
 class Poll:
@@ -148,18 +207,35 @@ def shutdown_quietly(local: bool = True, timeout: float = SHUTDOWN_SECONDS) -> b
     t.start()
     t.join(timeout)
     if t.is_alive() and local:
-        import psutil
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        kill_local_cluster()
         t.join(5.0)
+    if local:  # Ray's shutdown may return with workers left that a raylet killed by the signal had orphaned
+        kill_local_cluster(children=False)
     _SHUTDOWN_HUNG = t.is_alive()
     return not _SHUTDOWN_HUNG
 
 
 _SHUTDOWN_HUNG = False
+
+
+def kill_local_cluster(children: bool = True) -> None:
+    """Kill every process this driver started (``children``), and the ``local`` cluster's processes that a stop
+    signal orphaned (a Ray worker whose raylet died is re-parented away from this process; Ray names the
+    cluster's session after the pid of the process that started it, and every cluster process carries
+    ``--session-name``)."""
+    import psutil
+    me = psutil.Process()
+    mine = {p.pid: p for p in me.children(recursive=True)} if children else {}
+    suffix = f"_{os.getpid()}"
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        args = p.info["cmdline"] or []
+        if p.pid != me.pid and any(a.startswith("--session-name=") and a.endswith(suffix) for a in args):
+            mine[p.pid] = p
+    for p in mine.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def shutdown_hung() -> bool:
@@ -292,6 +368,17 @@ class RayRun:
 
     # ---- start ----------------------------------------------------------------------------------------------
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
+        def stuck(signum: int) -> None:
+            name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            self.log.info(f"stopped: {name} while Ray was starting, and a Ray call did not return within "
+                          f"{START_GRACE_SECONDS:.0f} s; nothing was trained in this run, its checkpoints are as "
+                          f"they were")
+
+        with StartupWatch(self.args.ray_address == "local", stuck,
+                          pending=lambda: None if self.stop is None else self.stop.signal):
+            return self._launch(ctx, elapsed_offset)
+
+    def _launch(self, ctx, elapsed_offset: float) -> list[tuple[str, mp.Process]]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from checkpoint import CheckpointWriteError

@@ -352,3 +352,45 @@ def test_a_worker_that_dies_inside_a_node_ends_the_run(launch, tmp_path):
     assert re.search(r"stopped: node \d: worker 0 exited unexpectedly \(exit code -9\)", run.stdout()), run.tail()
     assert not ray_processes(run)
     load_saved(models_dir(tmp_path))
+
+
+WATCHED = """
+import os, signal, subprocess, sys, threading, time
+sys.path.insert(0, {root!r})
+import lifeline
+from multinode.run import StartupWatch
+stop = lifeline.StopSignals().install()
+child = subprocess.Popen(["sleep", "60"])  # a process this driver started (a local cluster's, say)
+print("child", child.pid, flush=True)
+with StartupWatch(True, lambda s: print("stuck after signal", s, flush=True), pending=lambda: stop.signal,
+                  grace=1.0):
+    os.kill(os.getpid(), signal.SIGTERM)
+    if {stuck}:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # blocks for good, as a Ray call that never returns
+    else:
+        time.sleep(0.2)  # the start-up notices the stop by itself
+print("left the start-up", stop.signal, flush=True)
+child.kill()
+"""
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_stop_signal_during_a_stuck_start_up_ends_the_driver_and_its_processes(tmp_path, stuck):
+    """The start-up watch: a stop signal while the main thread is blocked in a call that never returns ends the
+    process after the grace period (128 + the signal) and kills the processes it started; a start-up that
+    notices the stop itself is left alone. (The real case, a Ray call blocked after a SIGTERM to the process
+    group, is the slow start-up signal test's "actors starting".)"""
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED.format(root=str(ROOT), stuck=stuck))
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    child = int(re.search(r"child (\d+)", proc.stdout).group(1))
+    if stuck:
+        assert proc.returncode == 143 and "stuck after signal 15" in proc.stdout, proc.stdout + proc.stderr
+        assert "left the start-up" not in proc.stdout and time.monotonic() - t < 30
+    else:
+        assert proc.returncode == 0 and "left the start-up 15" in proc.stdout, proc.stdout + proc.stderr
+        assert "stuck" not in proc.stdout
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
