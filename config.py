@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+import precision
 from cli import BoolFlag, Parser
+from precision import PRECISIONS
 from environment import EnvIdError, load_env_config, resolve_env_id
 from utils import safe_name
 
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-step-size", "-dss", type=int, nargs="+", default=None,
                    help="per-worker rollout lengths: worker r uses dss[r %% len] (default: --num-steps)")
     # Beyond upstream: stop conditions, gradient clipping, monitor and checkpoint cadence.
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="the conv encoder's precision: fp32, bf16 (bfloat16 convolutions; weights, gradients, "
+                        "optimizer, LSTM and losses stay float32), or auto: bf16 where the CPU or GPU runs it "
+                        "natively, else fp32 (default: %(default)s)")
+    p.set_defaults(compute_precision="fp32")  # --precision resolved for the run's devices by validate()
     p.add_argument("--max-steps", type=int, default=50_000_000,
                    help="stop when the global agent-step count (all workers, resumed runs included) reaches "
                         "this; 0 = no limit (default: %(default)s, i.e. 200M frames)")
@@ -243,7 +250,29 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors += validate_gpu_ids(args.gpu_ids)
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
     errors += validate_dir(args.log_dir, "--log-dir")
+    if not any("--gpu-ids" in e for e in errors):
+        errors += validate_precision(args)
     return errors
+
+
+def compute_devices(args: argparse.Namespace) -> list[torch.device]:
+    """The devices a run computes on: the CPU, or the GPUs of ``--gpu-ids`` (on Ray, the nodes' GPUs are not
+    this machine's: ``auto`` is then resolved on the driver's CPU)."""
+    if not args.gpu_ids or args.gpu_ids[0] < 0 or getattr(args, "ray_address", None) is not None:
+        return [torch.device("cpu")]
+    return [torch.device("cuda", g) for g in sorted(set(args.gpu_ids))]
+
+
+def validate_precision(args: argparse.Namespace) -> list[str]:
+    """Resolves ``--precision`` for the run's devices into ``args.compute_precision`` (``fp32`` or ``bf16``);
+    returns the problems (bf16 asked for on a GPU without it)."""
+    args.compute_precision, errors, _ = precision.resolve(args.precision, compute_devices(args))
+    return errors
+
+
+def precision_warnings(args: argparse.Namespace) -> list[str]:
+    """The lines to print before a run whose ``--precision`` was validated (bf16 on a CPU without native bf16)."""
+    return precision.resolve(args.precision, compute_devices(args))[2]
 
 
 def validate_ga3c(args: argparse.Namespace) -> list[str]:

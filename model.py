@@ -37,6 +37,7 @@ class A3Clstm(nn.Module):
         self.lstm = nn.LSTMCell(FEATURES, hidden_size)
         self.critic_linear = nn.Linear(hidden_size, 1)
         self.actor_linear = nn.Linear(hidden_size, num_actions)
+        self.compute_dtype = torch.float32  # the conv encoder's; see set_precision
         self.reset_parameters()
 
     @torch.no_grad()
@@ -65,27 +66,43 @@ class A3Clstm(nn.Module):
         state_dict keys, shapes and values are unchanged."""
         return self.to(memory_format=torch.channels_last)
 
+    def set_precision(self, dtype: torch.dtype) -> "A3Clstm":
+        """Run the conv encoder in ``dtype`` (``torch.bfloat16`` or ``torch.float32``, see ``precision``).
+
+        The weights stay float32: each conv casts its weight and bias to ``dtype`` as it runs (a differentiable
+        cast, so gradients reach the float32 weights as float32), and ``features`` returns float32. The LSTM, its
+        state and the heads always run in float32. A plain attribute: the state_dict does not change."""
+        self.compute_dtype = dtype
+        return self
+
     def convs(self) -> tuple[nn.Conv2d, ...]:
         return self.conv1, self.conv2, self.conv3, self.conv4
+
+    def _conv(self, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == conv.weight.dtype:
+            return conv(x)
+        return F.conv2d(x, conv.weight.to(x.dtype), conv.bias.to(x.dtype), conv.stride, conv.padding)
 
     def features(self, x: torch.Tensor, cache: "ActivationCache | None" = None) -> torch.Tensor:
         """Conv encoder: ``(B, 1, 80, 80) -> (B, 1024)``.
 
         With ``cache`` (acting under ``no_grad``), each block's input, max-pool indices and output are appended
         to it, so that a later update can compute the conv weight gradients without running the convolutions
-        forward again (see ``unroll``).
+        forward again (see ``unroll``). The blocks run in ``compute_dtype`` (their saved activations too); the
+        features returned are float32.
         """
+        x = x.to(self.compute_dtype)
         if self.conv2.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
         for conv in self.convs():
             if cache is None:
-                x = F.relu(F.max_pool2d(conv(x), 2, 2))
+                x = F.relu(F.max_pool2d(self._conv(conv, x), 2, 2))
             else:
-                pooled, indices = F.max_pool2d(conv(x), 2, 2, return_indices=True)
+                pooled, indices = F.max_pool2d(self._conv(conv, x), 2, 2, return_indices=True)
                 out = F.relu(pooled)
                 cache.add(x, indices, out)
                 x = out
-        return x.flatten(1)
+        return x.flatten(1).float()
 
     def heads(self, hx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hx (B, H) -> value (B, 1), logits (B, A)``."""
@@ -234,31 +251,35 @@ class _LSTMReplay(torch.autograd.Function):
 class _Replay(torch.autograd.Function):
     """The conv encoder's output as a function of its weights, from activations saved while acting.
 
-    forward returns the saved features; backward is autograd's own conv-block backward (ReLU, max-pool with the
-    saved indices, convolution) done by hand over the batch of saved activations. The gradients are exactly
-    those of running the encoder again (tested), without the second forward pass.
+    forward returns the saved features (as float32); backward is autograd's own conv-block backward (ReLU,
+    max-pool with the saved indices, convolution) done by hand over the batch of saved activations, in their
+    dtype: bfloat16 activations (``--precision bf16``) give a bfloat16 backward against the weights cast to
+    bfloat16, as a second forward in bf16 would. The weight and bias gradients are returned as float32, the
+    first block's pieces summed in float32. The gradients are exactly those of running the encoder again
+    (tested), without the second forward pass.
     """
 
     @staticmethod
     def forward(ctx, blocks, convs, *params):
         ctx.blocks, ctx.convs = blocks, convs
-        return blocks[-1][2].flatten(1)
+        return blocks[-1][2].flatten(1).float()
 
     @staticmethod
     def backward(ctx, grad):
         blocks, convs = ctx.blocks, ctx.convs
         grads: list[torch.Tensor | None] = [None] * (2 * len(convs))
-        g = grad.reshape(blocks[-1][2].shape)
+        g = grad.reshape(blocks[-1][2].shape).to(blocks[-1][2].dtype)
         for k in range(len(convs) - 1, -1, -1):
             g = torch.ops.aten.threshold_backward(g, blocks[k][2], 0)
             if k:
-                g, grads[2 * k], grads[2 * k + 1] = _block_backward(g, convs[k], blocks[k], True)
+                g, gw, gb = _block_backward(g, convs[k], blocks[k], True)
+                grads[2 * k], grads[2 * k + 1] = gw.float(), gb.float()
             else:  # its gradient has 32 x 80 x 80 floats per frame: on a CPU, a few frames at a time stay in cache
                 chunk = FIRST_BLOCK_CHUNK if g.device.type == "cpu" else g.shape[0]
                 parts = [_block_backward(g[i: i + chunk], convs[0], [t[i: i + chunk] for t in blocks[0]], False)
                          for i in range(0, g.shape[0], chunk)]
-                grads[0] = torch.stack([p[1] for p in parts]).sum(0)
-                grads[1] = torch.stack([p[2] for p in parts]).sum(0)
+                grads[0] = torch.stack([p[1].float() for p in parts]).sum(0)
+                grads[1] = torch.stack([p[2].float() for p in parts]).sum(0)
         return (None, None, *grads)
 
 
@@ -267,8 +288,10 @@ FIRST_BLOCK_CHUNK = 4  # frames per piece of the first conv block's backward (be
 
 def _block_backward(g: torch.Tensor, conv: nn.Conv2d, block, input_grad: bool):
     """A conv block's backward from the gradient of its max-pool output (after the ReLU's): max-pool backward
-    with the saved indices, then the convolution's. Returns ``(input grad or None, weight grad, bias grad)``."""
+    with the saved indices, then the convolution's, in the dtype of the saved activations. Returns ``(input grad
+    or None, weight grad, bias grad)`` in that dtype."""
     block_input, indices, _ = block
+    weight = conv.weight if conv.weight.dtype == block_input.dtype else conv.weight.detach().to(block_input.dtype)
     pre_pool = (indices.shape[0], conv.out_channels,
                 block_input.shape[2] + 2 * conv.padding[0] - conv.kernel_size[0] + 1,
                 block_input.shape[3] + 2 * conv.padding[1] - conv.kernel_size[1] + 1)
@@ -277,7 +300,7 @@ def _block_backward(g: torch.Tensor, conv: nn.Conv2d, block, input_grad: bool):
                            memory_format=torch.channels_last) else torch.contiguous_format)
     g = torch.ops.aten.max_pool2d_with_indices_backward(g, like, [2, 2], [2, 2], [0, 0], [1, 1], False, indices)
     return torch.ops.aten.convolution_backward(
-        g, block_input, conv.weight, [conv.out_channels], list(conv.stride), list(conv.padding),
+        g, block_input, weight, [conv.out_channels], list(conv.stride), list(conv.padding),
         list(conv.dilation), False, [0, 0], 1, [input_grad, True, True])
 
 

@@ -23,6 +23,7 @@ from config import config_dict
 from environment import atari_env, load_env_config, normalizer
 from model import A3Clstm
 from player_util import play_game, sync_weights
+from precision import compute_dtype
 from run_state import RunState
 from utils import (describe_failure, format_duration, safe_name, setup_child_process, setup_logger, use_device,
                    worker_device)
@@ -59,6 +60,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     if count > 0:
         normalizer(env).set_stats(mean, std, int(count))
     model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
+    model.set_precision(compute_dtype(args.compute_precision))  # the run's precision: the games are its curve
     log = setup_logger(f"monitor.{safe_name(args.env)}", log_path(args.log_dir, args.env))
     console = setup_logger("monitor.console", None, console=True)
     for k, v in config_dict(args).items():

@@ -11,6 +11,7 @@ from environment import atari_env, load_env_config, normalizer
 from losses import A3CLoss
 from model import A3Clstm
 from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
+from precision import compute_dtype
 from run_state import RunState
 from shared_optim import make_optimizer
 from utils import describe_failure, setup_child_process, use_device, worker_device
@@ -52,6 +53,7 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     if optimizer is None:
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
     model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device)
+    model.set_precision(compute_dtype(args.compute_precision))
     model.train()
     agent = Agent(model, env, device, seed=args.seed + rank)
     handoff = GradientHandoff(model, shared_model)

@@ -37,6 +37,7 @@ from ga3c.predictor import Predictor, SlotStates, queue_sink
 from ga3c.settings import Ga3cSettings
 from ga3c.trainer import Trainer
 from model import A3Clstm
+from precision import compute_dtype
 from run_state import AnyOf
 
 
@@ -91,12 +92,13 @@ class Server:
 
     # ---- construction -----------------------------------------------------------------------------------------
     def _predictor_model(self, p: int, device: torch.device):
-        if not self.private:
-            return self.shared_model, None
+        dtype = compute_dtype(self.settings.compute_precision)
+        if not self.private:  # this process's object: the attribute does not reach the main process's model
+            return self.shared_model.set_precision(dtype), None
         if p not in self._private_models:
             m = self.shared_model
             self._private_models[p] = A3Clstm(m.conv1.in_channels, m.num_actions,
-                                              m.hidden_size).channels_last().to(device).eval()
+                                              m.hidden_size).channels_last().to(device).eval().set_precision(dtype)
         return self._private_models[p], self.shared_model
 
     def _build_predictors(self, n: int) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from precision import DTYPES
+
 
 @dataclass(frozen=True)
 class Ga3cSettings:
@@ -19,6 +21,7 @@ class Ga3cSettings:
     is_clip: float | None = None  # truncated importance weight min(pi/mu, is_clip); None = plain GA3C
     max_grad_norm: float = 0.0  # 0 = no clipping (upstream A3G)
     replay_activations: bool = True  # trainers reuse the predictors' conv activations (no second conv forward)
+    compute_precision: str = "fp32"  # the conv encoder's, in predictors and trainers (precision.py)
 
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":
@@ -37,5 +40,7 @@ class Ga3cSettings:
             (self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}"),
             (self.is_clip is None or self.is_clip > 0, f"is_clip must be > 0 (or None = off), got {self.is_clip}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
+            (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "
+                                               f"{self.compute_precision!r}"),
         ]
         return [msg for ok, msg in checks if not ok]

@@ -34,6 +34,7 @@ from ga3c.segment import ACT_FIELDS, Segment, cat_rows, conv_blocks
 from ga3c.settings import Ga3cSettings
 from losses import A3CLoss
 from model import A3Clstm, _Replay
+from precision import compute_dtype
 from player_util import GradientHandoff, sync_weights
 
 
@@ -146,7 +147,7 @@ class Trainer:
         model = A3Clstm(shared_model.conv1.in_channels, shared_model.num_actions, shared_model.hidden_size)
         if channels_last:
             model = model.channels_last()
-        self.model = model.to(self.device)
+        self.model = model.to(self.device).set_precision(compute_dtype(settings.compute_precision))
         self.model.train()
         sync_weights(self.model, shared_model)
         self.handoff = GradientHandoff(self.model, shared_model)

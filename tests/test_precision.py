@@ -1,0 +1,242 @@
+"""``--precision``: its resolution, and the bf16 update on the production path of both modes.
+
+Production path: the objects ``main.py`` builds (the shared float32 model and the shared optimizer from
+``make_optimizer``), an A3G worker's channels-last model in the run's precision acting with its
+``ActivationCache`` and updating with ``train.update``; GA3C's ``build_server`` (its predictor and trainer in the
+run's precision, the predictor saving bf16 conv activations that the trainer replays) on real Pong.
+
+Two references for every update, both loaded with the weights that acted:
+- the slow bf16 reference: a contiguous model whose convolutions run in bf16 too (``set_precision``), upstream's
+  batch-1 forward at every step and autograd's backward. It computes the same function as the production path.
+  The LSTM and head gradients are computed from the same bf16 conv features on both sides and in float32 after
+  them, so they agree to float32 rounding: measured at most 4e-6 relative (L2, per tensor) on real Pong rollouts
+  with initial and with trained weights. Tolerance 3e-5. A bf16 rounding after the features on the production
+  side fails it: the LSTM cell state rounded to bf16 at each step, 6e-4; GA3C's advantages computed in bf16,
+  3e-2 (actor) and 2e-4 (LSTM); both made once on purpose. A bf16 piece in code both sides share (the heads,
+  ``losses``) turns the outputs' dtype to bf16, and the loss terms, the LSTM state and every gradient and
+  optimizer statistic are asserted float32.
+  The conv gradients differ by where the bf16 roundings happen (the replay rounds each conv weight gradient
+  summed over the rollout to bf16 once, autograd each frame's): measured at most 1.1% per tensor. Tolerance 3%.
+- the float32 reference (the same forward, all in float32): bf16 convolutions by themselves put the gradient
+  1.8-10% away from it (relative L2 error of the whole gradient, cosine similarity >= 0.992; the bf16 reference
+  is as far). Tolerance: 25% and a cosine of 0.97, which a gradient computed from the wrong weights or with a
+  term missing does not reach.
+
+The shared weights, the gradients handed to them and the optimizer statistics stay float32 (asserted).
+"""
+import pytest
+import torch
+
+from config import build_parser, validate
+import precision
+from environment import atari_env, load_env_config
+from model import A3Clstm
+from player_util import Agent, GradientHandoff, stepwise_rollout_loss, sync_weights
+from precision import compute_dtype
+from shared_optim import make_optimizer
+from train import update
+
+CPU = torch.device("cpu")
+CONV_TOL, AFTER_FEATURES_TOL = 0.03, 3e-5  # per tensor, against the slow bf16 reference (module docstring)
+FP32_WHOLE, FP32_COSINE = 0.25, 0.97  # against the float32 reference
+
+
+def assert_matches_references(shared_model, acted: dict, update_index: int, backward) -> None:
+    """The gradients handed to ``shared_model`` against both references (module docstring), each a fresh model
+    with the ``acted`` weights on which ``backward(model)`` computes the reference gradient."""
+    n, hidden = shared_model.num_actions, shared_model.hidden_size
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = A3Clstm(1, n, hidden).set_precision(dtype)
+        ref.load_state_dict(acted)
+        backward(ref)
+        pairs = [(k, p.grad, q.grad) for (k, p), q in zip(shared_model.named_parameters(), ref.parameters())]
+        if dtype == torch.bfloat16:
+            for key, got, want in pairs:
+                err = float((got - want).norm() / want.norm())
+                tol = CONV_TOL if key.startswith("conv") else AFTER_FEATURES_TOL
+                assert err <= tol, f"update {update_index}: {key} is {err:.2e} from the bf16 reference's (tol {tol})"
+        else:
+            got = torch.cat([g.flatten() for _, g, _ in pairs])
+            want = torch.cat([w.flatten() for _, _, w in pairs])
+            whole = float((got - want).norm() / want.norm())
+            cosine = float(torch.nn.functional.cosine_similarity(got, want, 0))
+            assert whole <= FP32_WHOLE and cosine >= FP32_COSINE, \
+                f"update {update_index}: {whole:.3%} from the float32 reference's, cosine {cosine:.4f}"
+
+
+def assert_float32_state(shared_model, optimizer):
+    for k, p in shared_model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, k
+    for p in shared_model.parameters():
+        for key, v in optimizer.state[p].items():
+            if torch.is_tensor(v) and v.is_floating_point():
+                assert v.dtype in (torch.float32, torch.float64), f"optimizer state {key} is {v.dtype}"
+
+
+# ---- resolution -------------------------------------------------------------------------------------------------
+
+def test_cpu_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    with_bf16 = tmp_path / "with"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n")
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    without = tmp_path / "without"
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n")
+    assert precision.cpu_has_native_bf16(with_bf16) and precision.cpu_has_native_bf16(amx)
+    assert not precision.cpu_has_native_bf16(without)
+    assert not precision.cpu_has_native_bf16(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("native,requested,expected", [
+    (True, "auto", ("bf16", [], [])), (False, "auto", ("fp32", [], [])),
+    (True, "fp32", ("fp32", [], [])), (False, "fp32", ("fp32", [], [])), (True, "bf16", ("bf16", [], [])),
+])
+def test_resolve_on_the_cpu(monkeypatch, native, requested, expected):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: native)
+    assert precision.resolve(requested, [CPU]) == expected
+
+
+def test_bf16_on_a_cpu_without_it_runs_with_one_warning(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: False)
+    resolved, errors, warnings = precision.resolve("bf16", [CPU])
+    assert resolved == "bf16" and errors == [] and len(warnings) == 1 and "slower" in warnings[0]
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_and_auto_falls_back(monkeypatch):
+    monkeypatch.setattr(precision, "_cuda_bf16", lambda index: index == 0)  # GPU 0 Ampere, GPU 1 older
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    resolved, errors, _ = precision.resolve("bf16", gpus)
+    assert len(errors) == 1 and "GPU 1" in errors[0] and "--precision fp32" in errors[0]
+    assert precision.resolve("auto", gpus)[0] == "fp32"
+    assert precision.resolve("auto", gpus[:1])[0] == "bf16"
+
+
+def test_validate_sets_the_resolved_precision(tmp_path, monkeypatch):
+    flags = ["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
+    args = build_parser().parse_args(flags)
+    assert args.precision == "fp32" and validate(args) == [] and args.compute_precision == "fp32"
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: True)
+    args = build_parser().parse_args(flags + ["--precision", "auto"])
+    assert validate(args) == [] and args.compute_precision == "bf16"
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: False)
+    args = build_parser().parse_args(flags + ["--precision", "auto"])
+    assert validate(args) == [] and args.compute_precision == "fp32"
+
+
+# ---- the model ----------------------------------------------------------------------------------------------------
+
+def test_bf16_encoder_keeps_float32_weights_state_and_outputs():
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6).channels_last().set_precision(torch.bfloat16)
+    keys = {k: (v.dtype, v.shape) for k, v in A3Clstm(1, 6).state_dict().items()}
+    assert {k: (v.dtype, v.shape) for k, v in model.state_dict().items()} == keys
+    from model import ActivationCache
+    cache = ActivationCache()
+    with torch.no_grad():
+        value, logits, (hx, cx) = model(torch.rand(2, 1, 80, 80), model.initial_state(2), cache)
+    assert {t.dtype for t in (value, logits, hx, cx)} == {torch.float32}
+    block_input, _, out = cache.steps[0][1]
+    assert block_input.dtype == out.dtype == torch.bfloat16
+    assert cache.steps[0][0][0].dtype == torch.bfloat16  # the frame itself, as the first conv saw it
+
+
+# ---- the production update ----------------------------------------------------------------------------------------
+
+def a3g_case(tmp_path, extra):
+    args = build_parser().parse_args(["--workers", "1", "--precision", "bf16", "--lr", "1e-3", "--log-dir",
+                                      str(tmp_path), "--save-model-dir", str(tmp_path), *extra])
+    assert validate(args) == [] and args.compute_precision == "bf16"
+    return args
+
+
+@pytest.mark.parametrize("name,amsgrad", [("Adam", False), ("Adam", True), ("RMSprop", False)])
+def test_a3g_bf16_update_matches_the_references(tmp_path, name, amsgrad):
+    args = a3g_case(tmp_path, ["--optimizer", name] + (["--amsgrad"] if amsgrad else []))
+    env = atari_env(args.env, load_env_config("config.json", args.env), episodic_life=True)
+    n = env.action_space.n
+    # main.py
+    torch.manual_seed(args.seed)
+    shared_model = A3Clstm(1, n, args.hidden_size)
+    shared_model.share_memory()
+    optimizer = make_optimizer(name, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
+    # train.run_worker
+    model = A3Clstm(1, n, args.hidden_size).channels_last().to(CPU)
+    model.set_precision(compute_dtype(args.compute_precision))
+    model.train()
+    agent = Agent(model, env, CPU, seed=args.seed)
+    handoff = GradientHandoff(model, shared_model)
+    kw = dict(gamma=args.gamma, tau=args.tau, entropy_coef=args.entropy_coef, value_coef=args.value_coef)
+    try:
+        for u in range(4):
+            sync_weights(model, shared_model)
+            acted = {k: v.clone() for k, v in shared_model.state_dict().items()}
+            rollout = agent.rollout(args.num_steps)
+            assert agent.hx.dtype == agent.cx.dtype == torch.float32
+            loss, _ = update(model, rollout, handoff, optimizer, args)
+            assert {t.dtype for t in loss} == {torch.float32}
+            assert_float32_state(shared_model, optimizer)
+            assert_matches_references(shared_model, acted, u,
+                                      lambda ref: stepwise_rollout_loss(ref, rollout, **kw).total.backward())
+            moved = max(float((p.detach() - acted[k]).abs().max()) for k, p in shared_model.named_parameters())
+            assert moved > 0, f"update {u} did not change the shared weights"
+    finally:
+        env.close()
+
+
+def test_ga3c_bf16_update_matches_the_references(tmp_path):
+    from conftest import segments_reference_backward
+    from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
+    from ga3c.run import Ga3cRun
+    from ga3c.server import build_server
+    from ga3c.settings import Ga3cSettings
+
+    args = build_parser().parse_args([
+        "--mode", "ga3c", "--precision", "bf16", "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
+        "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--log-dir", str(tmp_path),
+        "--save-model-dir", str(tmp_path)])
+    assert validate(args) == [] and args.compute_precision == "bf16"
+    settings = Ga3cSettings.from_args(args)
+    assert settings.compute_precision == "bf16"
+    factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
+    envs = [factory(s) for s in range(args.envs_per_agent)]
+    n = envs[0].action_space.n
+    torch.manual_seed(args.seed)
+    shared_model = A3Clstm(1, n, args.hidden_size)
+    shared_model.share_memory()
+    optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
+    run = Ga3cRun(args, shared_model, optimizer, log=None)
+    kw = dict(is_clip=settings.is_clip, gamma=settings.gamma, tau=settings.tau, entropy_coef=settings.entropy_coef,
+              value_coef=settings.value_coef)
+    try:
+        server = build_server(args, shared_model, optimizer, run.buffers, run.counters, run.run.stop)
+        (predictor,), (trainer,) = server.predictors, server.trainers
+        assert predictor.model.compute_dtype == trainer.model.compute_dtype == torch.bfloat16
+        assert server.states.hx.dtype == server.states.cx.dtype == torch.float32
+        stepper = AgentStepper(0, [EnvRunner(s, envs[s], run.buffers, args.seed + s) for s in range(len(envs))],
+                               run.buffers, run.counters)
+        stepper.begin()
+        for u in range(3):
+            acted = {k: v.clone() for k, v in shared_model.state_dict().items()}
+            batch = []
+            for _ in range(500):
+                predictor.step()
+                stepper.poll()
+                while not server.segments.empty() and len(batch) < settings.train_batch:
+                    batch.append(server.segments.get_nowait())
+                if len(batch) == settings.train_batch:
+                    break
+            assert len(batch) == settings.train_batch, "the predictor closed no segments"
+            assert all(seg.acts is not None and seg.acts[0].dtype == torch.bfloat16 for seg in batch)
+            result = trainer.update(batch)
+            assert result.lag_max == 0
+            assert {t.dtype for t in result.loss} == {torch.float32}
+            assert_float32_state(shared_model, optimizer)
+            server.open_segments.clear()  # no policy lag in the next batch
+            while not server.segments.empty():
+                server.segments.get_nowait()
+            assert_matches_references(shared_model, acted, u,
+                                      lambda ref: segments_reference_backward(ref, batch, **kw))
+    finally:
+        for env in envs:
+            env.close()
+        run.release()
