@@ -38,6 +38,8 @@ from cli import Parser
 from config import add_model_env_flags, validate_common, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
+import precision
+from precision import PRECISIONS
 from utils import format_duration, keep_freed_memory, safe_name, setup_logger, worker_device
 
 PROG = "gym_eval.py"
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="removed (it used gym's Monitor); use --record DIR")
     p.add_argument("--gpu-id", "-gid", type=int, default=-1, help="GPU for the model; -1 = CPU (default)")
     p.add_argument("--workers", "-w", type=int, default=1, help="evaluation processes (default: %(default)s)")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="the conv encoder's precision while playing: fp32 keeps scores comparable across machines; "
+                        "bf16, or auto (bf16 where native) (default: %(default)s)")
     p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json)")
     return p
 
@@ -94,7 +99,12 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors.append("--render shows games one at a time: use it with --workers 1")
     if args.record is not None and Path(args.record).exists() and not Path(args.record).is_dir():
         errors.append(f"--record '{args.record}' is a file, not a folder")
-    errors += validate_gpu_ids([args.gpu_id], "--gpu-id")
+    gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
+    errors += gpu_errors
+    if not gpu_errors:
+        device = torch.device("cpu") if args.gpu_id < 0 else torch.device("cuda", args.gpu_id)
+        args.compute_precision, precision_errors, args.precision_warnings = precision.resolve(args.precision, [device])
+        errors += precision_errors
     return errors
 
 
@@ -147,6 +157,7 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
         if model is None:
             model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
             model.load_state_dict(state_dict)
+            model.set_precision(precision.compute_dtype(args.compute_precision))
         torch.manual_seed(args.seed + i)
         recorder = None
         if render and args.record:
@@ -202,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in errors:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    for line in args.precision_warnings:
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -281,11 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"{args.env}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, max {s['max']:g}, "
                f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {proto['frameskip']}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
-               f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps)")
+               f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps"
+               f"{'' if args.compute_precision == 'fp32' else ', model in ' + args.compute_precision})")
     log.info(summary)
     print(summary, flush=True)
     out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,
            "lengths": [lengths[i] for i in order], "seed": args.seed, "protocol": proto,
+           "precision": args.compute_precision,
            "wall_seconds": wall}
     if args.record:
         out["videos"] = {str(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4"): frames[i]

@@ -17,6 +17,10 @@ cannot train faster than ``cores x 1000 / cost`` steps/s, whatever its processes
 the two ceilings bounds what GA3C mode can gain over A3G mode on this CPU. ``benchmark.py`` measures the real
 runs; the measured rate over the ceiling is how well a mode keeps the cores busy with its own work.
 
+With ``--precision fp32 bf16`` the model pieces are timed in each precision (``--precision bf16``: the conv
+encoder in bfloat16, see ``precision.py``), alternated within each round, and every ceiling is given against A3G
+mode in the first precision listed.
+
 Also timed: the first conv block's backward in one piece against pieces of ``model.FIRST_BLOCK_CHUNK`` frames.
 """
 from __future__ import annotations
@@ -41,6 +45,8 @@ from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows  # noqa:
 from ga3c.settings import Ga3cSettings  # noqa: E402
 from ga3c.trainer import Trainer  # noqa: E402
 from model import A3Clstm, ActivationCache  # noqa: E402
+import precision as precision_module  # noqa: E402
+from precision import PRECISIONS, compute_dtype  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
 from utils import keep_freed_memory  # noqa: E402
 
@@ -65,11 +71,11 @@ def env_step_ms(env_id: str, config: str, steps: int) -> float:
     return ms
 
 
-def batched_act_ms(batch: int, steps: int) -> tuple[float, list[ActivationCache]]:
-    """A GA3C predictor's acting forward over ``batch`` envs, saving the activations and cutting them into
-    per-env rows as it does; ms per frame. Returns the caches of ``steps`` consecutive batched steps."""
+def batched_act_ms(batch: int, steps: int, precision: str = "fp32") -> tuple[float, list[ActivationCache]]:
+    """A GA3C predictor's acting forward over ``batch`` envs in ``precision``, saving the activations and cutting
+    them into per-env rows as it does; ms per frame. Returns the caches of ``steps`` consecutive batched steps."""
     torch.manual_seed(0)
-    net = A3Clstm(1, 6).channels_last()
+    net = A3Clstm(1, 6).channels_last().set_precision(compute_dtype(precision))
     frames = torch.rand(steps, batch, 1, 80, 80)
     caches: list[ActivationCache] = []
 
@@ -108,11 +114,12 @@ def segments_from(caches: list[ActivationCache], count: int) -> list[Segment]:
     return out
 
 
-def trainer_update_ms(segments: list[Segment], repeats: int) -> float:
-    """``Trainer.update`` (sync, assemble, replay, loss, backward, hand-off, shared Adam step) on ``segments``;
-    ms per agent step."""
+def trainer_update_ms(segments: list[Segment], repeats: int, precision: str = "fp32") -> float:
+    """``Trainer.update`` (sync, assemble, replay, loss, backward, hand-off, shared Adam step) on ``segments`` in
+    ``precision`` (the segments' saved activations must be in it); ms per agent step."""
     args = build_parser().parse_args(["--mode", "ga3c", "--train-batch", str(len(segments)),
                                       "--num-steps", str(len(segments[0]))])
+    args.compute_precision = precision
     shared = A3Clstm(1, 6)
     shared.share_memory()
     optimizer = make_optimizer("Adam", shared.parameters(), 1e-4, False, shared=True)
@@ -127,61 +134,86 @@ def trainer_update_ms(segments: list[Segment], repeats: int) -> float:
     return statistics.median(times) / steps * 1000
 
 
+def model_pieces_ms(opts: argparse.Namespace, precision: str) -> dict:
+    """The model's pieces of one agent step in ``precision``, ms: each mode's acting forward and update."""
+    r = {}
+    a3g = our_step_ms(opts.rollouts, opts.num_steps, precision)
+    r["a3g_act"], r["a3g_update"] = a3g["forward_ms"], a3g["update_ms"] + a3g["optimizer_ms"]
+    r["ga3c_act"], caches = batched_act_ms(opts.envs, opts.num_steps, precision)
+    segments = segments_from(caches, opts.train_batch)
+    r["ga3c_update"] = trainer_update_ms(segments, opts.rollouts, precision)
+    chunk = model_module.FIRST_BLOCK_CHUNK
+    model_module.FIRST_BLOCK_CHUNK = 10 ** 9  # the first block's backward in one piece
+    try:
+        r["ga3c_update_unchunked"] = trainer_update_ms(segments, opts.rollouts, precision)
+    finally:
+        model_module.FIRST_BLOCK_CHUNK = chunk
+    return r
+
+
 def measure(opts: argparse.Namespace) -> dict:
+    """Every piece, ``--repeats`` rounds; per precision the medians, each mode's step cost and ceiling, and the
+    ceilings over A3G mode's in the first precision."""
     torch.set_num_threads(1)
     keep_freed_memory()  # as every training process
     res: dict = {"machine": machine(), "cores": os.cpu_count(), "envs": opts.envs, "train_batch": opts.train_batch,
-                 "num_steps": opts.num_steps}
+                 "num_steps": opts.num_steps, "precisions": opts.precisions,
+                 "native_bf16": precision_module.cpu_has_native_bf16()}
     rounds = []
     for _ in range(opts.repeats):  # alternated, so a slow spell of a shared machine hits every piece
         r = {"env": env_step_ms(opts.env, str(ROOT / "config.json"), opts.env_steps)}
-        a3g = our_step_ms(opts.rollouts, opts.num_steps)
-        r["a3g_act"], r["a3g_update"] = a3g["forward_ms"], a3g["update_ms"] + a3g["optimizer_ms"]
-        r["ga3c_act"], caches = batched_act_ms(opts.envs, opts.num_steps)
-        segments = segments_from(caches, opts.train_batch)
-        r["ga3c_update"] = trainer_update_ms(segments, opts.rollouts)
-        chunk = model_module.FIRST_BLOCK_CHUNK
-        model_module.FIRST_BLOCK_CHUNK = 10 ** 9  # the first block's backward in one piece
-        try:
-            r["ga3c_update_unchunked"] = trainer_update_ms(segments, opts.rollouts)
-        finally:
-            model_module.FIRST_BLOCK_CHUNK = chunk
+        for p in opts.precisions:
+            r[p] = model_pieces_ms(opts, p)
         rounds.append(r)
     res["rounds"] = rounds
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med = {"env": statistics.median(r["env"] for r in rounds)}
+    for p in opts.precisions:
+        med[p] = {k: statistics.median(r[p][k] for r in rounds) for k in rounds[0][p]}
     res["median_ms"] = med
     cores = res["cores"]
-    for mode in ("a3g", "ga3c"):
-        total = med["env"] + med[f"{mode}_act"] + med[f"{mode}_update"]
-        res[f"{mode}_step_ms"] = total
-        res[f"{mode}_ceiling_steps_per_s"] = cores * 1000 / total
-    res["ceiling_ratio"] = res["a3g_step_ms"] / res["ga3c_step_ms"]
     res["matmul_gflops_1_thread"] = matmul_gflops()
     res["model_mflop_per_step"] = model_flops_per_step(opts.num_steps)["total"] / 1e6
-    for mode in ("a3g", "ga3c"):  # benchmark.py's roof fraction, were the mode to run at its ceiling
-        res[f"{mode}_ceiling_roof_fraction"] = (res[f"{mode}_ceiling_steps_per_s"] * res["model_mflop_per_step"]
-                                                / (res["matmul_gflops_1_thread"] * 1000 * cores))
+    res["step_ms"], res["ceiling_steps_per_s"], res["ceiling_roof_fraction"] = {}, {}, {}
+    for p in opts.precisions:
+        for mode in ("a3g", "ga3c"):
+            total = med["env"] + med[p][f"{mode}_act"] + med[p][f"{mode}_update"]
+            key = f"{mode} {p}"
+            res["step_ms"][key] = total
+            res["ceiling_steps_per_s"][key] = cores * 1000 / total
+            # benchmark.py's roof fraction (fp32 matmul rate), were the mode to run at its ceiling
+            res["ceiling_roof_fraction"][key] = (res["ceiling_steps_per_s"][key] * res["model_mflop_per_step"]
+                                                 / (res["matmul_gflops_1_thread"] * 1000 * cores))
+    base = res["step_ms"][f"a3g {opts.precisions[0]}"]
+    res["ceiling_over_a3g"] = {key: base / ms for key, ms in res["step_ms"].items()}
     return res
 
 
 def report(res: dict) -> None:
-    m = res["median_ms"]
-    print(f"machine: {res['machine']['cpu']}, {res['cores']} cores, torch {res['machine']['torch']}")
+    m, precisions = res["median_ms"], res["precisions"]
+    print(f"machine: {res['machine']['cpu']}, {res['cores']} cores, torch {res['machine']['torch']}, native bf16: "
+          f"{'yes' if res['native_bf16'] else 'no'}")
     print(f"one agent step on one thread, ms (median of {len(res['rounds'])} rounds):")
-    print(f"  {'':28s}{'A3G mode':>10s}{'GA3C mode':>11s}")
-    print(f"  {'environment step':28s}{m['env']:10.2f}{m['env']:11.2f}")
-    print(f"  {'acting forward':28s}{m['a3g_act']:10.2f}{m['ga3c_act']:11.2f}   (batch 1 / batch {res['envs']})")
-    print(f"  {'update + optimizer':28s}{m['a3g_update']:10.2f}{m['ga3c_update']:11.2f}   "
-          f"(1 x {res['num_steps']} / {res['train_batch']} x {res['num_steps']} frames)")
-    print(f"  {'total':28s}{res['a3g_step_ms']:10.2f}{res['ga3c_step_ms']:11.2f}")
-    print(f"ceiling on {res['cores']} cores: A3G {res['a3g_ceiling_steps_per_s']:.0f} steps/s, GA3C "
-          f"{res['ga3c_ceiling_steps_per_s']:.0f} steps/s; GA3C / A3G at most {res['ceiling_ratio']:.2f}x")
-    print(f"GA3C update with the first conv block's backward in one piece: {m['ga3c_update_unchunked']:.2f} ms, "
-          f"in pieces of {model_module.FIRST_BLOCK_CHUNK} frames: {m['ga3c_update']:.2f} ms")
+    keys = [f"{mode} {p}" for p in precisions for mode in ("a3g", "ga3c")]
+    print(f"  {'':22s}" + "".join(f"{k.replace('a3g', 'A3G').replace('ga3c', 'GA3C'):>11s}" for k in keys))
+
+    def row(label, values, note=""):
+        print(f"  {label:22s}" + "".join(f"{v:11.2f}" for v in values) + note)
+
+    row("environment step", [m["env"]] * len(keys))
+    row("acting forward", [m[k.split()[1]][f"{k.split()[0]}_act"] for k in keys], f"   (batch 1 / {res['envs']})")
+    row("update + optimizer", [m[k.split()[1]][f"{k.split()[0]}_update"] for k in keys],
+        f"   (1 x {res['num_steps']} / {res['train_batch']} x {res['num_steps']} frames)")
+    row("total", [res["step_ms"][k] for k in keys])
+    print(f"ceiling on {res['cores']} cores, steps/s (and over A3G {precisions[0]}): " + ", ".join(
+        f"{k} {res['ceiling_steps_per_s'][k]:.0f} ({res['ceiling_over_a3g'][k]:.2f}x)" for k in keys))
+    for p in precisions:
+        ratio = res["ceiling_over_a3g"][f"ga3c {p}"] / res["ceiling_over_a3g"][f"a3g {p}"]
+        print(f"{p}: GA3C / A3G at most {ratio:.2f}x; GA3C update with the first conv block's backward in one "
+              f"piece {m[p]['ga3c_update_unchunked']:.2f} ms, in pieces of {model_module.FIRST_BLOCK_CHUNK} frames "
+              f"{m[p]['ga3c_update']:.2f} ms")
     print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread; {res['model_mflop_per_step']:.0f} "
-          f"MFLOP per step (benchmark.py's count): at their ceilings A3G mode would reach "
-          f"{res['a3g_ceiling_roof_fraction']:.2f} and GA3C mode {res['ga3c_ceiling_roof_fraction']:.2f} of the "
-          f"compute roof")
+          f"MFLOP per step (benchmark.py's count); fraction of that roof at the ceilings: " + ", ".join(
+              f"{k} {res['ceiling_roof_fraction'][k]:.2f}" for k in keys))
 
 
 def budget_parser() -> argparse.ArgumentParser:
@@ -193,6 +225,9 @@ def budget_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="rounds, alternated (the median is reported)")
     p.add_argument("--rollouts", type=int, default=5, help="timed updates per round")
     p.add_argument("--env-steps", type=int, default=1000, help="timed environment steps per round")
+    p.add_argument("--precision", dest="precisions", nargs="+", default=["fp32"], choices=list(PRECISIONS),
+                   help="the model pieces' precision(s), each timed in every round; auto = bf16 on a CPU with "
+                        "native bf16, else fp32 (default: fp32)")
     p.add_argument("--json", help="also write the results here")
     return p
 
@@ -206,6 +241,8 @@ def main(argv=None) -> int:
     if opts.train_batch > opts.envs:
         print("budget.py: error: --train-batch must be <= --envs (each segment is one env's)", file=sys.stderr)
         return 2
+    resolved = [precision_module.resolve(p, [torch.device("cpu")])[0] for p in opts.precisions]
+    opts.precisions = list(dict.fromkeys(resolved))  # auto named once, in its place
     res = measure(opts)
     report(res)
     if opts.json:

@@ -129,21 +129,26 @@ def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tm
 def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
     out = tmp_path / "budget.json"
     proc = run_entry("benchmarks/budget.py", "--envs", "3", "--train-batch", "2", "--num-steps", "3", "--repeats",
-                     "1", "--rollouts", "1", "--env-steps", "20", "--json", str(out), cwd=tmp_path, timeout=280)
+                     "1", "--rollouts", "1", "--env-steps", "20", "--precision", "fp32", "bf16", "--json", str(out),
+                     cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     m = res["median_ms"]
-    assert set(m) == {"env", "a3g_act", "a3g_update", "ga3c_act", "ga3c_update", "ga3c_update_unchunked"}
-    assert all(v > 0 for v in m.values())
-    for mode in ("a3g", "ga3c"):
-        total = m["env"] + m[f"{mode}_act"] + m[f"{mode}_update"]
-        assert abs(res[f"{mode}_step_ms"] - total) < 1e-9
-        assert abs(res[f"{mode}_ceiling_steps_per_s"] - os.cpu_count() * 1000 / total) < 1e-9
-    assert abs(res["ceiling_ratio"] - res["a3g_step_ms"] / res["ga3c_step_ms"]) < 1e-9
-    roof = res["matmul_gflops_1_thread"] * 1000 * os.cpu_count()
-    assert abs(res["ga3c_ceiling_roof_fraction"] - res["ga3c_ceiling_steps_per_s"] * res["model_mflop_per_step"]
-               / roof) < 1e-9
-    assert "GA3C / A3G at most" in proc.stdout
+    assert res["precisions"] == ["fp32", "bf16"] and set(m) == {"env", "fp32", "bf16"}
+    for p in ("fp32", "bf16"):
+        assert set(m[p]) == {"a3g_act", "a3g_update", "ga3c_act", "ga3c_update", "ga3c_update_unchunked"}
+        assert all(v > 0 for v in m[p].values())
+        for mode in ("a3g", "ga3c"):
+            key = f"{mode} {p}"
+            total = m["env"] + m[p][f"{mode}_act"] + m[p][f"{mode}_update"]
+            assert abs(res["step_ms"][key] - total) < 1e-9
+            assert abs(res["ceiling_steps_per_s"][key] - os.cpu_count() * 1000 / total) < 1e-9
+            assert abs(res["ceiling_over_a3g"][key] - res["step_ms"]["a3g fp32"] / total) < 1e-9
+            roof = res["matmul_gflops_1_thread"] * 1000 * os.cpu_count()
+            assert abs(res["ceiling_roof_fraction"][key] - res["ceiling_steps_per_s"][key]
+                       * res["model_mflop_per_step"] / roof) < 1e-9
+    assert res["ceiling_over_a3g"]["a3g fp32"] == 1.0
+    assert "GA3C / A3G at most" in proc.stdout and "native bf16:" in proc.stdout
 
 
 @pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"]])

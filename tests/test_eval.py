@@ -207,3 +207,4 @@ def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["episodes"] == 1 and summary["scores"][0] == 21  # it wins all 100 published games 21-0
+    assert summary["precision"] == "fp32"  # the default: scores comparable across machines
