@@ -2,10 +2,12 @@
 
     python main.py --env PongNoFrameskip-v4 --workers 16 --gpu-ids 0
 
-The main process validates the configuration, builds the shared model and optimizer in shared memory, starts
-``--workers`` training processes and one monitor, then watches them: it stops the run at ``--max-steps``,
-``--max-seconds`` or ``--target-score``, on Ctrl-C or SIGTERM, or when a process dies; it writes the full
-checkpoint every ``--checkpoint-every-seconds`` and at the end.
+The main process validates the configuration, builds the shared model and optimizer in shared memory, picks the
+mode and drives it through ``modes.Mode``: A3G (``a3g/run.py``: ``--workers`` training processes and one monitor),
+GA3C (``--mode ga3c``, ``ga3c/run.py``) or Ray (``--ray-address``, ``multinode/run.py``). It starts the mode's
+processes, then watches them: it stops the run at ``--max-steps``, ``--max-seconds`` or ``--target-score``, on
+Ctrl-C or SIGTERM, or when a process dies; it writes the full checkpoint every ``--checkpoint-every-seconds`` and
+at the end.
 
 By default a run writes its models to ``runs/<env>/`` and its logs to ``logs/<env>/``; the same command with
 ``--load`` resumes it, and every stop prints that command. Two runs never write into the same folder at once (a
@@ -37,20 +39,17 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointWriteError, ModelFileError,  # noqa: E402
-                        RunLock, RunLockedError, atomic_save, check_checkpoint, check_state_dict, checkpoint_path,
-                        cpu_state_dict, is_checkpoint, model_path, read_weights, remove_stale_temp_files,
-                        state_dict_of)
-from config import build_parser, config_dict, validate  # noqa: E402
+from a3g.run import A3gRun, shutdown  # noqa: E402
+from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, check_checkpoint,  # noqa: E402
+                        check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
+                        remove_stale_temp_files, state_dict_of)
+from config import build_parser, validate  # noqa: E402
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
-from run_state import UPDATE_FIELDS, RunState, StartError  # noqa: E402
+from modes import Mode  # noqa: E402
+from run_state import StartError  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
-from test import test  # noqa: E402
-from train import train  # noqa: E402
 from utils import safe_name, setup_logger  # noqa: E402
-
-JOIN_SECONDS = 8.0  # stopped processes get this long to exit; then all are terminated, then killed (<= 10 s)
 
 
 def find_resume_file(args: Namespace) -> Path | None:
@@ -93,160 +92,7 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     return shlex.join(["python", script, *out, "--load"])
 
 
-def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed: float,
-                    extra: dict | None = None) -> Path:
-    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot.
-    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's."""
-    path = checkpoint_path(args.save_model_dir, args.env)
-    ckpt = {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "env": args.env,
-        "model": cpu_state_dict(shared_model),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "optimizer_name": args.optimizer,
-        "best_score": float(run.monitor[2].item()),
-        "elapsed_seconds": float(elapsed),
-        "config": config_dict(args),
-        **run.snapshot(),
-        **(extra or {}),
-    }
-    atomic_save(ckpt, path)
-    return path
-
-
-def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed_offset: float = 0.0,
-           monitor: bool = True) -> list[tuple[str, mp.Process]]:
-    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes.
-
-    They start with SIGINT/SIGTERM blocked and bound to this process (``lifeline``); a stop signal that arrives
-    meanwhile stays pending here and is handled as soon as the block ends, after the last start.
-    """
-    lifeline.mark_children()
-    todo = [("monitor", test, (args, shared_model, run, elapsed_offset))] if monitor else []
-    todo += [(f"worker {rank}", train, (rank, args, shared_model, optimizer, run)) for rank in range(args.workers)]
-    procs = []
-    for role, target, target_args in todo:
-        p = ctx.Process(target=target, args=target_args, name=role)
-        lifeline.start_child(p)
-        procs.append((role, p))
-    return procs
-
-
-def a3g_slot(run: RunState, role: str) -> int:
-    """A3G's process slot of ``role`` (``worker r`` -> r, the monitor last)."""
-    return run.monitor_slot if role == "monitor" else int(role.rsplit(" ", 1)[1])
-
-
-class A3gRun:
-    """A3G mode: ``--workers`` hogwild workers and the monitor (process slots: worker r -> r, monitor last).
-    ``ga3c.run.Ga3cRun`` is its GA3C sibling; ``run_training`` drives either through these methods."""
-
-    name = "a3g"
-
-    def __init__(self, args: Namespace, shared_model: A3Clstm, optimizer, log):
-        self.args, self.shared_model, self.optimizer, self.log = args, shared_model, optimizer, log
-        self.run = RunState(args.workers, args.score_window)
-        self.procs: list[tuple[str, mp.Process]] = []
-        self._status_steps = None
-
-    def describe(self) -> str:
-        where = "CPU" if self.args.gpu_ids[0] < 0 else "GPUs " + str(self.args.gpu_ids)
-        return f"with {self.args.workers} workers on {where}"
-
-    def restore(self, ckpt: dict) -> None:
-        self.run.restore(ckpt)
-
-    def snapshot(self) -> dict:
-        return {}
-
-    def slot_of(self, role: str) -> int:
-        return a3g_slot(self.run, role)
-
-    def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
-        self.procs = launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset)
-        return self.procs
-
-    def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
-        """A worker ends on its own at the step budget."""
-        return process.exitcode == 0 and role.startswith("worker") and budget_reached
-
-    def tick(self, now: float) -> None:
-        pass
-
-    def status(self, rate: float, span: float) -> tuple[str, dict]:
-        scalars = {"charts/train_steps_per_s": rate}
-        stats = self.run.update_stats
-        done = stats[:, 0] > 0
-        if bool(done.any()):
-            scalars.update({f"losses/{k}": v for k, v in zip(UPDATE_FIELDS[2:], stats[done].mean(0).tolist()[2:])})
-        return status_line(self.run, rate), scalars
-
-    def close(self) -> None:
-        pass
-
-    failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
-
-    def errors(self) -> list[tuple[str, str]]:
-        """Failure reports of parts outside this process's ``run.errors`` (Ray nodes); none here."""
-        return []
-
-    def release(self) -> None:
-        """After the final checkpoint: let go of what the mode holds outside its processes (Ray: the actors)."""
-
-
-def save_run(args: Namespace, mode, elapsed: float, final: bool = False) -> Path:
-    """Write the mode's checkpoint (at the end also the ``.dat``, unless --save-max): the parameter server writes
-    a multi-node run's (``multinode.run.RayRun.save``), this process the others'."""
-    if hasattr(mode, "save"):
-        return mode.save(elapsed, final)
-    path = save_checkpoint(args, mode.shared_model, mode.optimizer, mode.run, elapsed, mode.snapshot())
-    if final and not args.save_max:
-        atomic_save(cpu_state_dict(mode.shared_model), model_path(args.save_model_dir, args.env))
-    return path
-
-
-def shutdown(procs: list[tuple[str, mp.Process]], run: RunState, wait: float = JOIN_SECONDS,
-             slot_of=None) -> None:
-    """Stop every process through ``run.stop``. Those still starting up (not ``ready``: importing, building
-    their env) have nothing to finish and are terminated at once; the others get ``wait`` seconds to end their
-    update or game, then all that are still alive are terminated at once, and one second later killed: at most
-    ``wait`` + 2 seconds in all."""
-    run.stop.set()
-    if slot_of is None:
-        def slot_of(role: str) -> int:
-            return a3g_slot(run, role)
-    for role, p in procs:
-        if p.is_alive() and not run.ready[slot_of(role)].item():
-            p.terminate()
-    for grace, action in ((wait, None), (1.0, "terminate"), (1.0, "kill")):
-        alive = [p for _, p in procs if p.is_alive()]
-        if not alive:
-            break
-        for p in alive:
-            if action is not None:
-                getattr(p, action)()
-        deadline = time.monotonic() + grace
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for _, p in procs:
-        if p.exitcode is not None:
-            p.close()
-
-
-def status_line(run: RunState, rate: float) -> str:
-    stats = run.update_stats
-    done = stats[:, 0] > 0
-    if not bool(done.any()):
-        return f"steps {run.global_steps.value:,} ({rate:.0f} steps/s)"
-    mean = stats[done].mean(0)
-    f = dict(zip(UPDATE_FIELDS, mean.tolist()))
-    return (f"steps {run.global_steps.value:,} ({rate:.0f} steps/s) | updates {int(stats[:, 0].sum()):,} | "
-            f"per step: policy {f['policy_loss']:.4f} value {f['value_loss']:.4f} entropy {f['entropy']:.3f} | "
-            f"grad-norm {f['grad_norm']:.2f}")
-
-
-def report_status(log, tb, mode, steps: int, rate: float, span: float) -> None:
+def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float) -> None:
     """One status line in the training log and, with --tensorboard-logger, the same numbers in TensorBoard."""
     line, scalars = mode.status(rate, span)
     log.info(line)
@@ -257,7 +103,8 @@ def report_status(log, tb, mode, steps: int, rate: float, span: float) -> None:
     tb.flush()
 
 
-def exited_unexpectedly(procs: list[tuple[str, mp.Process]], mode, budget_reached: bool) -> tuple[str, int] | None:
+def exited_unexpectedly(procs: list[tuple[str, mp.Process]], mode: Mode,
+                        budget_reached: bool) -> tuple[str, int] | None:
     """The first process that ended on its own, unless its mode expected it (a worker that stopped at the step
     budget, an agent that ``--dynamic`` retired)."""
     for role, p in procs:
@@ -366,6 +213,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     optimizer = None
     if args.shared_optimizer:
         optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
+    mode: Mode
     if args.ray_address is not None:
         from multinode.run import RayRun
         mode = RayRun(args, shared_model, optimizer, log, ray_module, stop)
@@ -451,7 +299,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                 break
             if now - last_ckpt >= args.checkpoint_every_seconds:
                 try:
-                    save_run(args, mode, elapsed_offset + now - start)
+                    mode.save(elapsed_offset + now - start)
                 except CheckpointWriteError as e:
                     code, reason = 1, str(e)
                     break
@@ -477,7 +325,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         ckpt_note = "nothing written (no process was started)"
         try:
             if procs:
-                ckpt = save_run(args, mode, elapsed_offset + elapsed, final=True)
+                ckpt = mode.save(elapsed_offset + elapsed, final=True)
                 ckpt_note = f"checkpoint {ckpt}"
         except CheckpointWriteError as e:
             code = 1

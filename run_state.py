@@ -168,7 +168,7 @@ class RunState:
     - ``monitor (3,)``: games played, sum of their scores, best score; ``recent (score_window,)`` last scores.
     - ``errors``: ``ErrorBoard`` with a slot per process (worker r: slot r; the monitor: slot ``workers``).
     - ``ready (workers + 1,)``: set by each process (same slots) when its loop starts; a process still starting up
-      has nothing to finish and is stopped at once (``main.shutdown``).
+      has nothing to finish and is stopped at once (``a3g.run.shutdown``).
     """
 
     def __init__(self, workers: int, score_window: int = 10, norm_rows: int | None = None):

@@ -150,7 +150,7 @@ def summarize_gpu_samples(samples: list[dict]) -> dict | None:
 def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float) -> dict:
     """Run the real training processes (as main.py does) and count global steps over ``window`` seconds."""
     from environment import num_actions
-    from main import launch, shutdown
+    from a3g.run import launch, shutdown
 
     ctx = mp.get_context("spawn")
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
@@ -189,7 +189,7 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
 
     from environment import num_actions
     from ga3c.run import Ga3cRun
-    from main import shutdown
+    from a3g.run import shutdown
 
     ctx = mp.get_context("spawn")
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)

@@ -60,8 +60,8 @@ def run_args(opts: argparse.Namespace, out_dir: Path, nodes: int | None, workers
 def ray_training_steps_per_s(args: argparse.Namespace, ray, warmup: float, window: float) -> dict:
     """Run the real multi-node mode (``multinode.run.RayRun``, as ``main.py --ray-address`` drives it) on the
     connected cluster and count the nodes' agent steps over ``window`` seconds."""
+    from a3g.run import shutdown
     from multinode.run import RayRun
-    from main import shutdown
 
     log = logging.getLogger("benchmark.ray")
     log.addHandler(logging.NullHandler())

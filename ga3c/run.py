@@ -29,6 +29,7 @@ from ga3c.dynamic import DynamicAdjuster
 from ga3c.server import ga3c_devices, server_process
 from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter
 from model import A3Clstm
+from modes import Mode
 from run_state import Flag, RunState
 
 
@@ -36,8 +37,9 @@ def results_path(log_dir: str | Path) -> Path:
     return Path(log_dir) / "results.txt"
 
 
-class Ga3cRun:
-    """One GA3C run's shared state and processes (see the module docstring)."""
+class Ga3cRun(Mode):
+    """One GA3C run's shared state and processes (see the module docstring); ``main.run_training`` drives it
+    through ``modes.Mode``, whose defaults it keeps for ``errors`` and ``release``."""
 
     name = "ga3c"
 
@@ -195,14 +197,6 @@ class Ga3cRun:
                             "losses/entropy": f["entropy"], "losses/grad_norm": f["grad_norm"]})
         line += f" | NT {nt} NP {np_} NA {na}"
         return line, scalars
-
-    failed: str | None = None  # as ``main.A3gRun``: this mode's failures are processes that end
-
-    def errors(self) -> list[tuple[str, str]]:
-        return []
-
-    def release(self) -> None:
-        pass
 
     def close(self) -> None:
         self.tick(time.time())  # the games that ended during the shutdown

@@ -50,7 +50,7 @@ class HogwildNode:
     """A hogwild node joined to a parameter server (see the module docstring)."""
 
     def __init__(self, args: Namespace, index: int, call, n_actions: int):
-        from main import launch  # the same start-up as a single-machine run (lifeline, spawn, blocked signals)
+        from a3g.run import launch  # the same start-up as a single-machine run (lifeline, spawn, blocked signals)
         torch.set_num_threads(1)
         gpu_map = local_gpu_ids(args.gpu_ids)
         if gpu_map is not None and torch.cuda.device_count() < len(set(gpu_map)):
@@ -152,7 +152,7 @@ class HogwildNode:
 
     def stop(self) -> dict:
         """Stop the workers (``main.shutdown``), then make a last sync so that their last updates count."""
-        from main import shutdown
+        from a3g.run import shutdown
         self._halt.set()
         self._thread.join(timeout=CALL_TIMEOUT + 5)
         shutdown(self.procs, self.run)

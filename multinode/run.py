@@ -9,10 +9,11 @@ The driver (the ``main.py`` process) connects to Ray (``connect``), then ``RayRu
 - the monitor, a local process as in a single-machine run, playing the global weights (copied from the
   parameter server every ``--sync-seconds``), writing the usual logs, CSV, TensorBoard and ``.dat``.
 
-``main.run_training`` drives it like the other modes: ``tick`` reads the parameter server's step count (the run's
-global steps), notices nodes that rejoined or whose workers failed; ``status`` gives per-node steps/s and the time
-since each node's last sync; ``save`` has the parameter server write the checkpoint; ``close`` stops every node
-after a last sync; ``release`` removes every actor and disconnects (and stops a ``local`` cluster).
+``main.run_training`` drives it like the other modes (``modes.Mode``): ``tick`` reads the parameter server's step
+count (the run's global steps), notices nodes that rejoined or whose workers failed; ``status`` gives per-node
+steps/s and the time since each node's last sync; ``save`` has the parameter server write the checkpoint; ``close``
+stops every node after a last sync; ``release`` removes every actor and disconnects (and stops a ``local``
+cluster).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch
 
 import lifeline
 from model import A3Clstm
+from modes import Mode
 from run_state import UPDATE_FIELDS, RunState, StartError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,8 +316,9 @@ def absolute_paths(args: Namespace) -> Namespace:
     return args
 
 
-class RayRun:
-    """Multi-node mode (see the module docstring). Process slots: the monitor only (slot 0)."""
+class RayRun(Mode):
+    """Multi-node mode (see the module docstring), driven by ``main.run_training`` through ``modes.Mode``.
+    Process slots: the monitor only (slot 0)."""
 
     name = "ray"
 

@@ -314,6 +314,7 @@ def in_process_args(tmp_path, *extra):
 def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_steps):
     """main.run_training, in-process, with fake children: worker 0 and the monitor keep going, worker 1 counts
     ``last_steps`` more and exits 0 on main's second look. Returns (exit code, main's log, fake processes)."""
+    import a3g.run
     import lifeline
     import main
 
@@ -328,9 +329,9 @@ def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_
         return list(fakes.items())
 
     def no_real_child(process):
-        raise AssertionError("run_training started a real child: main.launch is no longer where children start")
+        raise AssertionError("run_training started a real child: a3g.run.launch is no longer where children start")
 
-    monkeypatch.setattr(main, "launch", fake_launch)
+    monkeypatch.setattr(a3g.run, "launch", fake_launch)
     monkeypatch.setattr(lifeline, "start_child", no_real_child)  # never train for real if the fake is bypassed
     args = in_process_args(tmp_path, "--max-steps", str(budget))
     (tmp_path / "models").mkdir()
@@ -368,8 +369,9 @@ def test_a_worker_that_exits_short_of_the_budget_is_still_a_crash(tmp_path, monk
 
 
 def test_exited_unexpectedly_accepts_only_a_worker_at_the_budget(tmp_path):
-    from run_state import RunState
     import main
+    from a3g.run import A3gRun
+    from run_state import RunState
 
     class Ended:
         def __init__(self, exitcode):
@@ -378,7 +380,7 @@ def test_exited_unexpectedly_accepts_only_a_worker_at_the_budget(tmp_path):
         def is_alive(self):
             return self.exitcode is None
 
-    mode = main.A3gRun(in_process_args(tmp_path), None, None, None)
+    mode = A3gRun(in_process_args(tmp_path), None, None, None)
     ok, alive = Ended(0), Ended(None)
     assert isinstance(mode.run, RunState)
     assert main.exited_unexpectedly([("worker 0", alive), ("worker 1", ok)], mode, True) is None
@@ -386,3 +388,24 @@ def test_exited_unexpectedly_accepts_only_a_worker_at_the_budget(tmp_path):
     assert main.exited_unexpectedly([("worker 1", Ended(1))], mode, True) == ("worker 1", 1)
     assert main.exited_unexpectedly([("worker 0", Ended(-9))], mode, True) == ("worker 0", -9)
     assert main.exited_unexpectedly([("monitor", Ended(0))], mode, True) == ("monitor", 0)  # never expected
+
+
+def test_every_mode_implements_the_interface_main_drives(tmp_path):
+    """``modes.Mode`` is the one description of what main's driver calls: each mode subclasses it and leaves no
+    abstract member unwritten, and a mode that lacked one could not be built at all."""
+    from a3g.run import A3gRun
+    from ga3c.run import Ga3cRun
+    from modes import Mode
+    from multinode.run import RayRun
+
+    for cls in (A3gRun, Ga3cRun, RayRun):
+        assert Mode in cls.__mro__ and not cls.__abstractmethods__, cls
+    assert Mode.__abstractmethods__ == {"describe", "restore", "slot_of", "launch", "expected_exit", "status"}
+
+    class NoStatus(A3gRun):
+        status = Mode.status
+
+    with pytest.raises(TypeError, match="status"):
+        NoStatus(in_process_args(tmp_path), None, None, None)
+    mode = A3gRun(in_process_args(tmp_path), None, None, None)
+    assert mode.failed is None and mode.errors() == [] and mode.snapshot() == {}

@@ -270,7 +270,7 @@ def test_a_worker_records_per_step_losses_for_the_status_line(tmp_path, monkeypa
     import math
 
     import train
-    from main import status_line
+    from a3g.run import status_line
     from run_state import EMA
 
     seen = []

@@ -1,0 +1,115 @@
+"""The interface through which ``main.py`` drives a training mode, written down once.
+
+Three modes implement it: ``a3g.run.A3gRun`` (hogwild workers and the monitor, the default),
+``ga3c.run.Ga3cRun`` (``--mode ga3c``) and ``multinode.run.RayRun`` (``--ray-address``). ``main.run_training``
+builds one, ``restore``s it from a checkpoint (``--load``), ``launch``es its processes, then, about five times a
+second, calls ``tick``, checks ``failed`` and asks ``expected_exit`` about every process that ended; it calls
+``status`` every ``--status-every-seconds`` and ``save`` every ``--checkpoint-every-seconds``. At the end it stops
+the processes (``a3g.run.shutdown`` with the mode's ``slot_of``), then calls ``close``, reads ``errors``, makes the
+final ``save`` and calls ``release``.
+
+The modes subclass ``Mode`` explicitly: the members marked abstract are theirs to write, and the others are hooks
+with a default that a mode overrides only when it has something to do there.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+from abc import abstractmethod
+from argparse import Namespace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, atomic_save, checkpoint_path, cpu_state_dict, model_path
+from config import config_dict
+from model import A3Clstm
+from run_state import RunState
+
+
+def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None, run: RunState,
+                    elapsed: float, extra: dict | None = None) -> Path:
+    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot.
+    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's."""
+    path = checkpoint_path(args.save_model_dir, args.env)
+    ckpt = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "env": args.env,
+        "model": cpu_state_dict(shared_model),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer_name": args.optimizer,
+        "best_score": float(run.monitor[2].item()),
+        "elapsed_seconds": float(elapsed),
+        "config": config_dict(args),
+        **run.snapshot(),
+        **(extra or {}),
+    }
+    atomic_save(ckpt, path)
+    return path
+
+
+class Mode(Protocol):
+    """One training mode as ``main.run_training`` drives it (see the module docstring)."""
+
+    name: str  # "a3g", "ga3c" or "ray"
+    args: Namespace  # the run's flags
+    shared_model: A3Clstm  # in shared memory: the weights the monitor plays and the checkpoint holds
+    optimizer: torch.optim.Optimizer | None  # the shared optimizer (None with --no-shared-optimizer)
+    run: RunState  # the flags, global steps, monitor statistics and error slots shared with the processes
+    failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What runs where, for the start line (``training <env> (<n> actions) <this>; stop at ...``)."""
+
+    @abstractmethod
+    def restore(self, ckpt: dict) -> None:
+        """Take a checkpoint's counters (``--load``); main loads the weights and the optimizer statistics."""
+
+    @abstractmethod
+    def slot_of(self, role: str) -> int:
+        """The ``run`` slot (ready flag, error slot) of the process named ``role``."""
+
+    @abstractmethod
+    def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
+        """Start the mode's processes from the multiprocessing context ``ctx``; returns them with their roles.
+        ``elapsed_offset``: the seconds a resumed run had already trained (the monitor's clock goes on from
+        there). Raises ``StartError`` or ``CheckpointWriteError`` (one line) when the start-up fails."""
+
+    @abstractmethod
+    def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
+        """Whether ``process``, which has ended, ended on purpose (not a failure of the run)."""
+
+    @abstractmethod
+    def status(self, rate: float, span: float) -> tuple[str, dict]:
+        """The status line and its TensorBoard scalars for the last ``span`` seconds (``rate``: global steps/s)."""
+
+    def snapshot(self) -> dict:
+        """The mode's own checkpoint fields, added to the common ones; none by default."""
+        return {}
+
+    def tick(self, now: float) -> None:
+        """Called about five times a second while the run goes on (GA3C's console lines and ``--dynamic``, Ray's
+        polls of its actors); nothing by default."""
+
+    def save(self, elapsed: float, final: bool = False) -> Path:
+        """Write the checkpoint (``save_checkpoint`` with ``snapshot()``) and, when ``final`` and not
+        ``--save-max``, the ``.dat``, from this process; returns the checkpoint's path. Raises
+        ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's instead."""
+        path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot())
+        if final and not self.args.save_max:
+            atomic_save(cpu_state_dict(self.shared_model), model_path(self.args.save_model_dir, self.args.env))
+        return path
+
+    def close(self) -> None:
+        """After the mode's processes were stopped, before the final checkpoint: finish what they left (GA3C's
+        last console lines; Ray's nodes stop and sync); nothing by default."""
+
+    def errors(self) -> list[tuple[str, str]]:
+        """Failure reports ``(role, text)`` of parts outside ``run.errors`` (Ray's nodes); none by default."""
+        return []
+
+    def release(self) -> None:
+        """After the final checkpoint: let go of what the mode holds outside its processes (Ray: the actors and
+        the connection); nothing by default."""
