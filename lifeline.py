@@ -14,13 +14,17 @@ process spends as long before it reaches ``main()``.
   to stop, and tells the children through the run's stop flag), SIGTERM to its default, and unblocks both.
 - ``StopSignals``, in the main process: records SIGINT/SIGTERM from the moment it is installed, so a signal
   during imports, validation or start-up is never lost.
+- ``StartupWatch``, in the main process around a start-up that may block in C code (Ray's client): a stop signal
+  that Python cannot handle there still ends the process, through ``signal.set_wakeup_fd``.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
+import threading
 
 PARENT_ENV = "A3G_MAIN_PID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -107,3 +111,58 @@ class StopSignals:
     @property
     def reason(self) -> str:
         return "interrupted (Ctrl-C)" if self.signal == signal.SIGINT else "terminated (SIGTERM)"
+
+
+class StartupWatch:
+    """Ends the process when a stop signal arrives while its main thread is stuck in a call that does not return.
+
+    Python runs signal handlers (``StopSignals``) only in the main thread, between bytecodes: a main thread blocked
+    inside C code (seen: a Ray call of the multi-node start-up, after a SIGTERM to the process group reached the
+    local cluster too) never runs them. The C-level handler still writes the signal's number to the pipe given to
+    ``signal.set_wakeup_fd``: a thread reading it gives the main thread ``grace`` seconds to notice the stop by
+    itself (the usual path: the ``with`` block ends and the watch with it), and otherwise calls
+    ``on_stuck(signum)`` (report it; kill what the process started) and exits with 128 + the signal's number,
+    whatever ``on_stuck`` raised. ``pending()`` returns a stop signal that Python already handled
+    (``StopSignals.signal``: it may have come just before the watch began), or None. Use it as a context manager
+    in the main thread (only the main thread may call ``set_wakeup_fd``).
+    """
+
+    def __init__(self, on_stuck, pending=lambda: None, grace: float = 10.0):
+        self.on_stuck, self.pending, self.grace = on_stuck, pending, grace
+        self._done = threading.Event()
+        self._fds: tuple[int, int] | None = None
+        self._old_fd = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "StartupWatch":
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._fds = (r, w)
+        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="start-up watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._done.set()
+        signal.set_wakeup_fd(self._old_fd)
+        self._thread.join(1.0)
+        for fd in self._fds:
+            os.close(fd)
+        return False
+
+    def _watch(self) -> None:
+        r = self._fds[0]
+        while not self._done.is_set():
+            stops = []
+            if select.select([r], [], [], 0.2)[0]:
+                stops = [b for b in os.read(r, 64) if b in (int(signal.SIGINT), int(signal.SIGTERM))]
+            signum = stops[0] if stops else self.pending()
+            if signum is not None and not self._done.wait(self.grace):
+                self.end(int(signum))
+
+    def end(self, signum: int) -> None:
+        try:
+            self.on_stuck(signum)
+        finally:
+            os._exit(128 + signum)

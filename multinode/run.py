@@ -13,7 +13,7 @@ The driver (the ``main.py`` process) connects to Ray (``connect``), then ``RayRu
 count (the run's global steps), notices nodes that rejoined or whose workers failed; ``status`` gives per-node
 steps/s and the time since each node's last sync; ``save`` has the parameter server write the checkpoint; ``close``
 stops every node after a last sync; ``release`` removes every actor and disconnects (and stops a ``local``
-cluster).
+cluster). A stop signal while a Ray call of the start-up is stuck ends the driver (``lifeline.StartupWatch``).
 """
 from __future__ import annotations
 
@@ -46,64 +46,6 @@ SHUTDOWN_SECONDS = 8.0  # Ray's own shutdown, before a local cluster's processes
 STOP_SECONDS = 10.0  # nodes get this long (together) to stop their workers and make their last sync
 SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
 START_GRACE_SECONDS = 10.0  # after a stop signal, how long a Ray call of the start-up may keep the driver waiting
-
-
-class StartupWatch:
-    """Ends the driver when a stop signal arrives while it is stuck in a Ray call during the start-up.
-
-    A Ctrl-C or SIGTERM sent to the whole process group also reaches a ``local`` cluster's own processes, and a
-    Ray call the driver is making (seen: creating the parameter server's actor, which waits on the cluster's
-    control store) can then block for a minute or more inside Ray's C++ client, where Python cannot run its
-    signal handlers. The C-level handler still writes the signal's number to the pipe given to
-    ``signal.set_wakeup_fd``: a thread reading it gives the start-up ``grace`` seconds to notice the stop by
-    itself (the usual path) and otherwise calls ``on_stuck(signum)``, kills the processes this driver started
-    (``local`` only) and exits with 128 + the signal's number. ``pending()`` returns a stop signal that Python
-    already handled (``StopSignals.signal``: it may have come just before the watch began), or None. Use it as a
-    context manager in the main thread.
-    """
-
-    def __init__(self, local: bool, on_stuck, pending=lambda: None, grace: float = START_GRACE_SECONDS):
-        self.local, self.on_stuck, self.pending, self.grace = local, on_stuck, pending, grace
-        self._done = threading.Event()
-        self._fds: tuple[int, int] | None = None
-        self._old_fd = -1
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> "StartupWatch":
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._fds = (r, w)
-        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        self._thread = threading.Thread(target=self._watch, name="start-up watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self._done.set()
-        signal.set_wakeup_fd(self._old_fd)
-        self._thread.join(1.0)
-        for fd in self._fds:
-            os.close(fd)
-        return False
-
-    def _watch(self) -> None:
-        import select
-        r = self._fds[0]
-        while not self._done.is_set():
-            stops = []
-            if select.select([r], [], [], 0.2)[0]:
-                stops = [b for b in os.read(r, 64) if b in (int(signal.SIGINT), int(signal.SIGTERM))]
-            signum = stops[0] if stops else self.pending()
-            if signum is not None and not self._done.wait(self.grace):
-                self.end(int(signum))
-
-    def end(self, signum: int) -> None:
-        try:
-            self.on_stuck(signum)
-        finally:
-            if self.local:
-                kill_local_cluster()
-            os._exit(128 + signum)
 
 
 class Poll:
@@ -240,6 +182,24 @@ def kill_local_cluster(children: bool = True) -> None:
             pass
 
 
+def stuck_start_up(log, local: bool):
+    """What the driver does when a Ray call of the start-up is still blocked ``START_GRACE_SECONDS`` after a stop
+    signal (``lifeline.StartupWatch``'s ``on_stuck``, before the process exits with 128 + the signal): say so in
+    ``log``, then, for a ``local`` cluster, kill it (``kill_local_cluster``), whatever the log did. A signal sent to
+    the whole process group also reaches a ``local`` cluster's processes, and a Ray call (seen: creating the
+    parameter server's actor, which waits on the cluster's control store) can then block for a minute or more
+    inside Ray's C++ client."""
+    def on_stuck(signum: int) -> None:
+        try:
+            name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            log.info(f"stopped: {name} while Ray was starting, and a Ray call did not return within "
+                     f"{START_GRACE_SECONDS:.0f} s; nothing was trained in this run, its checkpoints are as they were")
+        finally:
+            if local:
+                kill_local_cluster()
+    return on_stuck
+
+
 def shutdown_hung() -> bool:
     """Whether the last ``shutdown_quietly`` did not finish (the process must end with ``os._exit``)."""
     return _SHUTDOWN_HUNG
@@ -371,14 +331,11 @@ class RayRun(Mode):
 
     # ---- start ----------------------------------------------------------------------------------------------
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
-        def stuck(signum: int) -> None:
-            name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
-            self.log.info(f"stopped: {name} while Ray was starting, and a Ray call did not return within "
-                          f"{START_GRACE_SECONDS:.0f} s; nothing was trained in this run, its checkpoints are as "
-                          f"they were")
-
-        with StartupWatch(self.args.ray_address == "local", stuck,
-                          pending=lambda: None if self.stop is None else self.stop.signal):
+        """Start the parameter server, the nodes and the monitor; a stop signal while a Ray call of this start-up
+        is stuck ends the driver after ``START_GRACE_SECONDS`` (``lifeline.StartupWatch``, ``stuck_start_up``)."""
+        with lifeline.StartupWatch(stuck_start_up(self.log, self.args.ray_address == "local"),
+                                   pending=lambda: None if self.stop is None else self.stop.signal,
+                                   grace=START_GRACE_SECONDS):
             return self._launch(ctx, elapsed_offset)
 
     def _launch(self, ctx, elapsed_offset: float) -> list[tuple[str, mp.Process]]:

@@ -1,7 +1,13 @@
-"""lifeline.py in real processes: children start with the stop signals blocked, however many are started."""
+"""lifeline.py in real processes: children start with the stop signals blocked, however many are started; a stop
+signal ends a start-up stuck in a call that never returns."""
+import re
 import subprocess
 import sys
 import textwrap
+import time
+
+import psutil
+import pytest
 
 from conftest import ROOT
 
@@ -62,3 +68,48 @@ def test_the_resource_tracker_does_unblock_a_long_block(tmp_path):
     blocked, the work-around is no longer needed (and this test should go)."""
     masks, _ = run_script(tmp_path, "one_block")
     assert "False" in masks.split(), masks
+
+
+WATCHED = textwrap.dedent("""
+    import logging, os, signal, subprocess, sys, threading, time
+    sys.path.insert(0, {root!r})
+    import lifeline
+    from multinode.run import stuck_start_up
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+    stop = lifeline.StopSignals().install()
+    child = subprocess.Popen(["sleep", "60"])  # a process this driver started (a local cluster's, say)
+    print("child", child.pid, flush=True)
+    with lifeline.StartupWatch(stuck_start_up(logging.getLogger("driver"), local=True), pending=lambda: stop.signal,
+                               grace=1.0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        if {stuck}:
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # blocks for good, as a Ray call that never returns
+        else:
+            time.sleep(0.2)  # the start-up notices the stop by itself
+    print("left the start-up", stop.signal, flush=True)
+    child.kill()
+""")
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_stop_signal_during_a_stuck_start_up_ends_the_driver_and_its_processes(tmp_path, stuck):
+    """The start-up watch, with what a Ray driver does when it fires (``multinode.run.stuck_start_up``): a stop
+    signal while the main thread is blocked in a call that never returns ends the process after the grace period
+    (128 + the signal), says so, and kills the processes it started; a start-up that notices the stop itself is
+    left alone. (The real case, a Ray call blocked after a SIGTERM to the process group, is the slow start-up
+    signal test's "actors starting" in ``test_ray``.)"""
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED.format(root=str(ROOT), stuck=stuck))
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    child = int(re.search(r"child (\d+)", proc.stdout).group(1))
+    if stuck:
+        assert proc.returncode == 143, proc.stdout + proc.stderr
+        assert "stopped: terminated (SIGTERM) while Ray was starting" in proc.stdout, proc.stdout + proc.stderr
+        assert "left the start-up" not in proc.stdout and time.monotonic() - t < 30
+    else:
+        assert proc.returncode == 0 and "left the start-up 15" in proc.stdout, proc.stdout + proc.stderr
+        assert "stopped:" not in proc.stdout
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
