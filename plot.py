@@ -8,6 +8,12 @@ Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth
 ``results.txt`` named as a file (the agents' training games: steps are the running sum of the games' lengths,
 time counts from the first game). A curve is named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its format follows
 the extension: PNG, SVG or PDF.
+
+It also prints the time to each score: for every run, the global steps and the running time (the monitor's
+``elapsed_s``, which goes on across resumes) at which the mean of the last ``--window`` games first reached each of
+``--levels`` (default -10 0 10 15 19 20, Pong's), then the median over the runs of each (a run that never reached a
+level counts as slower than every run that did; no median where that puts it among those runs).
+``--no-figure`` prints the table alone.
 """
 from __future__ import annotations
 
@@ -89,6 +95,65 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+DEFAULT_LEVELS = (-10.0, 0.0, 10.0, 15.0, 19.0, 20.0)
+
+
+def first_reached(score: list[float], steps: list[int], seconds: list[float], levels, window: int) -> dict:
+    """``{level: (global steps, seconds) or None}``: the first game after which the mean of the last ``window``
+    games (a full window) is at least ``level``."""
+    out = {level: None for level in levels}
+    total = 0.0
+    for i, v in enumerate(score):
+        total += v
+        if i >= window:
+            total -= score[i - window]
+        if i + 1 < window:
+            continue
+        mean = total / window
+        for level in levels:
+            if out[level] is None and mean >= level:
+                out[level] = (steps[i], seconds[i])
+    return out
+
+
+def median_reached(reached: list[tuple[int, float] | None]) -> tuple[float, float] | None:
+    """The median over runs of ``(steps, seconds)``, each taken separately, a run that never reached the level
+    counting as the slowest; None when that puts the median among the runs that never reached it."""
+    n = len(reached)
+    steps = sorted(r[0] for r in reached if r is not None)
+    secs = sorted(r[1] for r in reached if r is not None)
+    mid = n // 2
+    if not n or mid >= len(steps):
+        return None
+    if n % 2:
+        return steps[mid], secs[mid]
+    return (steps[mid - 1] + steps[mid]) / 2, (secs[mid - 1] + secs[mid]) / 2
+
+
+def format_reached(r) -> str:
+    if r is None:
+        return "-"
+    steps, secs = r
+    return f"{steps / 1e3:,.0f}k / {secs / 60:.0f} min"
+
+
+def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: int) -> str:
+    """The table ``plot.py`` prints: one row per run and the median row (see the module docstring)."""
+    rows = [(name, first_reached(c["score"], c["steps"], [h * 3600 for h in c["hours"]], levels, window))
+            for name, c in named_curves]
+    width = max([len("median") + 2] + [len(name) for name, _ in rows])
+    head = f"{'run':{width}s}" + "".join(f"{f'mean >= {level:g}':>22s}" for level in levels)
+    lines = [f"global steps / running time at which the mean of the last {window} games first reached each level "
+             f"(the median row: the median of each, taken separately):", head]
+    for name, r in rows:
+        lines.append(f"{name:{width}s}" + "".join(f"{format_reached(r[level]):>22s}" for level in levels))
+    if len(rows) > 1:
+        med = {level: median_reached([r[level] for _, r in rows]) for level in levels}
+        lines.append(f"{f'median of {len(rows)}':{width}s}" + "".join(f"{format_reached(med[level]):>22s}"
+                                                                     for level in levels))
+    return "\n".join(lines)
+
+
 def label_for(path: Path) -> tuple[str, str]:
     """(env id, run name): the run is the CSV's folder (``logs/<run>/<env>_monitor.csv``), or the folder above
     a ``logs`` folder (``runs/<run>/logs/<env>_monitor.csv``), by its real name (never ``.``)."""
@@ -116,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--labels", nargs="+", default=None,
                    help="legend names, one per curve in input order (default: the run folders' names, or the "
                         "file names where those repeat)")
+    p.add_argument("--levels", nargs="+", type=float, default=list(DEFAULT_LEVELS),
+                   help="scores for the time-to-score table (default: -10 0 10 15 19 20)")
+    p.add_argument("--no-figure", dest="figure", action="store_false",
+                   help="print the time-to-score table only; draw nothing")
     args = p.parse_args(argv)
     paths, errors = find_csvs(args.inputs)
     if args.labels is not None and len(args.labels) != len(paths):
@@ -153,12 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    envs, runs = set(), []
+    envs, runs, labels = set(), [], []
     names = [label_for(path) for path, _ in curves]
     repeated = len({run for _, run in names}) < len(names)
     for k, ((path, c), (env, run)) in enumerate(zip(curves, names)):
@@ -166,7 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             run = path.stem[: -len("_monitor")] if path.stem.endswith("_monitor") else path.stem
         envs.add(env)
         runs.append(run)
-        label = args.labels[k] if args.labels else (run if len(curves) > 1 else env)
+        labels.append(args.labels[k] if args.labels else (run if len(curves) > 1 else env))
+    print(time_to_score_table(list(zip(labels, [c for _, c in curves])), args.levels, args.window), flush=True)
+    if not args.figure:
+        return 0
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for (path, c), label in zip(curves, labels):
         smooth = rolling_mean(c["score"], args.window)
         for ax, x in ((ax_steps, [s / 1e6 for s in c["steps"]]), (ax_time, c["hours"])):
             line, = ax.plot(x, smooth, label=f"{label} (mean of {args.window})")

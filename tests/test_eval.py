@@ -208,3 +208,37 @@ def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["episodes"] == 1 and summary["scores"][0] == 21  # it wins all 100 published games 21-0
     assert summary["precision"] == "fp32"  # the default: scores comparable across machines
+
+
+def test_time_to_score_levels_by_hand():
+    from plot import first_reached, median_reached
+    score = [-21, -21, 0, 21, 21, 21]  # window 2 means: -21, -10.5, 10.5, 21, 21
+    steps = [10, 20, 30, 40, 50, 60]
+    secs = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    got = first_reached(score, steps, secs, [-21, -10, 10, 20, 21.5], window=2)
+    assert got == {-21: (20, 2.0), -10: (40, 4.0), 10: (40, 4.0), 20: (50, 5.0), 21.5: None}
+    assert first_reached([5.0], [1], [1.0], [0], window=2) == {0: None}  # no full window yet
+    assert median_reached([(300, 30.0), (100, 10.0), (200, 20.0)]) == (200, 20.0)
+    assert median_reached([(300, 30.0), None, (100, 10.0)]) == (300, 30.0)  # the missed run is the slowest
+    assert median_reached([(300, 30.0), None, None]) is None  # fewer than half reached it
+    assert median_reached([(100, 10.0), (300, 30.0)]) == (200, 20.0)
+    assert median_reached([(100, 10.0), (300, 30.0), None, None]) is None  # between a reached and a missed run
+    assert median_reached([(100, 40.0), (300, 20.0), (200, 30.0)]) == (200, 30.0)  # each taken separately
+
+
+def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_path):
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    for name, scores in (("a", [-21, -5, 5, 15]), ("b", [-21, -21, 20, 20]), ("c", [-21, -21, -21, -21])):
+        rows = [f"0,{60 * (i + 1)},{1000 * (i + 1)},{s},100,1,0,\n" for i, s in enumerate(scores)]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "PongNoFrameskip-v4_monitor.csv").write_text(header + "".join(rows))
+    r = run_entry("plot.py", *(str(tmp_path / n) for n in "abc"), "--window", "2", "--levels", "0", "20",
+                  "--no-figure", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()[2:]}
+    # a: means -13, 0, 10 -> 0 at game 3; b: -21, -0.5, 20 -> 20 at game 4; c: never
+    assert lines["a"].split()[1:] == ["3k", "/", "3", "min", "-"]
+    assert lines["b"].split()[1:] == ["4k", "/", "4", "min", "4k", "/", "4", "min"]
+    assert lines["c"].split()[1:] == ["-", "-"]
+    assert lines["median"].split()[3:] == ["4k", "/", "4", "min", "-"]  # 0: a, b reached; 20: only b
+    assert not list(tmp_path.rglob("*.png"))
