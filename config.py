@@ -40,7 +40,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
     p.add_argument("--seed", "-s", type=int, default=1, help="random seed; worker r uses seed + r (default: %(default)s)")
     p.add_argument("--log-dir", log_dir_short, default=None,
-                   help="folder for logs, CSVs and TensorBoard (default: logs/<env>)")
+                   help="folder for logs, CSVs and TensorBoard (default: logs/<env>; a GA3C-mode or Ray "
+                        "training run's: logs/<env>-ga3c, logs/<env>-ray)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where --load looks (default: --save-model-dir, i.e. resume this run; "
                         "trained_models/ to start from a shipped model)")
     p.add_argument("--save-model-dir", "-smd", default=None,
-                   help="where <env>.dat and <env>.ckpt are written (default: runs/<env>)")
+                   help="where <env>.dat and <env>.ckpt are written (default: runs/<env>; in GA3C mode "
+                        "runs/<env>-ga3c, on Ray runs/<env>-ray)")
     p.add_argument("--gpu-ids", "-gp", type=int, nargs="+", default=[-1],
                    help="GPUs for the workers, round-robin (A3G mode); -1 = CPU (default)")
     p.add_argument("--amsgrad", "-a", action=BoolFlag, default=False, help="AMSGrad variant of Adam")
@@ -216,11 +218,21 @@ def validate_dir(path: str, flag: str) -> list[str]:
     return []
 
 
+def run_folder_name(args: argparse.Namespace) -> str:
+    """A training run's default folder name, under ``runs/`` and ``logs/``: the env id (``/`` written as ``_``),
+    with ``-ga3c`` in GA3C mode and ``-ray`` on Ray, so that a new run of one mode never finds another mode's model
+    in its folder (which would refuse it)."""
+    suffix = "-ray" if args.ray_address is not None else "-ga3c" if args.mode == "ga3c" else ""
+    return safe_name(args.env) + suffix
+
+
 def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the training configuration, each as one line (empty when all is well)."""
+    if args.log_dir is None:  # before validate_common, whose default (evaluation's) has no mode in it
+        args.log_dir = str(Path("logs") / run_folder_name(args))
     errors = validate_common(args)
     if args.save_model_dir is None:
-        args.save_model_dir = str(Path("runs") / safe_name(args.env))
+        args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
         args.load_model_dir = args.save_model_dir
     checks = [

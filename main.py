@@ -9,8 +9,8 @@ processes, then watches them: it stops the run at ``--max-steps``, ``--max-secon
 Ctrl-C or SIGTERM, or when a process dies; it writes the full checkpoint every ``--checkpoint-every-seconds`` and
 at the end.
 
-By default a run writes its models to ``runs/<env>/`` and its logs to ``logs/<env>/``; the same command with
-``--load`` resumes it, and every stop prints that command. Two runs never write into the same folder at once (a
+By default a run writes its models to ``runs/<env>/`` and its logs to ``logs/<env>/`` (``<env>-ga3c`` in GA3C
+mode, ``<env>-ray`` on Ray); the same command with ``--load`` resumes it, and every stop prints that command. Two runs never write into the same folder at once (a
 lock), and a new run never overwrites a model it did not start from.
 
 Exit codes: 0 a stop condition was reached; 1 a worker or the monitor failed, or a checkpoint could not be written

@@ -409,3 +409,47 @@ def test_every_mode_implements_the_interface_main_drives(tmp_path):
         NoStatus(in_process_args(tmp_path), None, None, None)
     mode = A3gRun(in_process_args(tmp_path), None, None, None)
     assert mode.failed is None and mode.errors() == [] and mode.snapshot() == {}
+
+
+def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_order(tmp_path):
+    """After the README's first command (an A3G run: its model in runs/<env>/), its GA3C and Ray examples start new
+    runs with the default folders: runs/<env>-ga3c/ and runs/<env>-ray/ (logs/ likewise), so neither is refused
+    for the A3G model, while a second A3G run into runs/<env>/ still is. Each real run stops right after that
+    check: the GA3C one at a lock that this test holds on its folder, the Ray one at an address where nothing
+    answers."""
+    import socket
+
+    from checkpoint import RunLock
+    from config import build_parser, validate
+
+    env = "PongNoFrameskip-v4"
+    for flags, folder in (([], env), (["--mode", "ga3c"], f"{env}-ga3c"), (["--ray-address", "auto"], f"{env}-ray")):
+        args = build_parser().parse_args(["--env-config", str(ROOT / "config.json"), *flags])
+        assert not validate(args)
+        assert (args.save_model_dir, args.load_model_dir, args.log_dir) == (f"runs/{folder}", f"runs/{folder}",
+                                                                            f"logs/{folder}")
+    args = build_parser().parse_args(["--mode", "ga3c", "--save-model-dir", "a", "--log-dir", "b"])
+    validate(args)
+    assert (args.save_model_dir, args.log_dir) == ("a", "b")
+
+    (tmp_path / "runs" / env).mkdir(parents=True)
+    (tmp_path / "runs" / env / f"{env}.ckpt").write_bytes(b"the first run's checkpoint")
+    common = ["--env", env, "--env-config", str(ROOT / "config.json")]
+    r = run_entry("main.py", *common, cwd=tmp_path)
+    assert r.returncode == 2 and "would overwrite it" in r.stderr, r.stderr[-2000:]
+
+    (tmp_path / "runs" / f"{env}-ga3c").mkdir()
+    lock = RunLock(tmp_path / "runs" / f"{env}-ga3c")
+    try:
+        r = run_entry("main.py", *common, "--mode", "ga3c", cwd=tmp_path)
+    finally:
+        lock.release()
+    assert r.returncode == 2 and f"is writing to runs/{env}-ga3c" in r.stderr, r.stderr[-2000:]
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_entry("main.py", *common, "--ray-address", f"127.0.0.1:{port}", cwd=tmp_path)
+    assert r.returncode == 2 and "nothing answers there" in r.stderr, r.stderr[-2000:]
+    assert "would overwrite" not in r.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [env, f"{env}-ga3c"]
