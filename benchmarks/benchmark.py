@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 from config import build_parser  # noqa: E402
 from environment import atari_env, load_env_config  # noqa: E402
+import precision  # noqa: E402
 from losses import a3c_loss  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from run_state import RunState  # noqa: E402
@@ -389,15 +390,16 @@ def plain_step_ms(rollouts: int, num_steps: int = 20) -> float:
     return _timeit(rollout, rollouts) / num_steps * 1000
 
 
-def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
-    """This project's costs per agent step (one thread): the acting forward (no gradient, saving the conv
-    activations) and the update (replay from the saved activations, LSTM over the rollout, backward), and one
-    shared optimizer step (amortised over the rollout)."""
+def our_step_ms(rollouts: int, num_steps: int = 20, precision: str = "fp32") -> dict:
+    """This project's costs per agent step (one thread) in ``precision``: the acting forward (no gradient, saving
+    the conv activations) and the update (replay from the saved activations, LSTM over the rollout, backward),
+    and one shared optimizer step (amortised over the rollout)."""
     from model import ActivationCache
+    from precision import compute_dtype
     from shared_optim import SharedAdam
 
     torch.manual_seed(0)
-    model = A3Clstm(1, 6).channels_last()
+    model = A3Clstm(1, 6).channels_last().set_precision(compute_dtype(precision))
     frames = torch.randn(num_steps, 1, 80, 80)
     actions = torch.randint(0, 6, (num_steps,))
     rewards = torch.zeros(num_steps)
@@ -430,19 +432,20 @@ def our_step_ms(rollouts: int, num_steps: int = 20) -> dict:
     return {"forward_ms": forward, "update_ms": upd, "optimizer_ms": step, "total_ms": forward + upd + step}
 
 
-def _measure_child(name: str, rollouts: int, keep_freed: bool, out) -> None:
+def _measure_child(name: str, rollouts: int, keep_freed: bool, out, kwargs: dict) -> None:
     torch.set_num_threads(1)
     if keep_freed:
         keep_freed_memory()
-    out.put(globals()[name](rollouts))
+    out.put(globals()[name](rollouts, **kwargs))
 
 
-def measure_isolated(name: str, rollouts: int, *, keep_freed: bool):
-    """Run ``plain_step_ms`` or ``our_step_ms`` in a fresh process, so that neither sees the other's heap;
-    ``keep_freed`` applies the allocator setting the training processes use (``utils.keep_freed_memory``)."""
+def measure_isolated(name: str, rollouts: int, *, keep_freed: bool, **kwargs):
+    """Run ``plain_step_ms`` or ``our_step_ms`` (with ``kwargs``) in a fresh process, so that neither sees the
+    other's heap; ``keep_freed`` applies the allocator setting the training processes use
+    (``utils.keep_freed_memory``)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_measure_child, args=(name, rollouts, keep_freed, out))
+    proc = ctx.Process(target=_measure_child, args=(name, rollouts, keep_freed, out, kwargs))
     proc.start()
     try:
         return out.get(timeout=1800)
@@ -465,7 +468,9 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2 ** 30, 1),
             "python": platform.python_version(), "torch": torch.__version__, "gymnasium": gymnasium.__version__,
             "ale_py": ale_py.__version__, "opencv": cv2.__version__, "numpy": np.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu_bf16_flags": sorted(precision.cpu_flags() & set(precision.CPU_BF16_FLAGS)),
+            "native_bf16": precision.cpu_has_native_bf16()}
 
 
 def benchmark_parser() -> argparse.ArgumentParser:
@@ -486,6 +491,9 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes-only", action="store_true",
                    help="measure only the two modes' training (A3G, GA3C) and the compute roof: no step costs, "
                         "environment-only or plain-training parts")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="A3G mode's precision and this model's step costs; GA3C mode's too unless --ga3c-flags "
+                        "gives its own --precision (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--out-dir", default=None,
                    help="folder for the training processes' logs, CSV and model (default: a temporary folder, "
@@ -507,7 +515,8 @@ def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) ->
     for _ in range(opts.repeats):  # alternated, so that a slow spell of a shared machine hits all three
         rounds["plain"].append(measure_isolated("plain_step_ms", opts.rollouts, keep_freed=False))
         rounds["plain_keep_freed"].append(measure_isolated("plain_step_ms", opts.rollouts, keep_freed=True))
-        rounds["ours"].append(measure_isolated("our_step_ms", opts.rollouts, keep_freed=True))
+        rounds["ours"].append(measure_isolated("our_step_ms", opts.rollouts, keep_freed=True,
+                                               precision=args.compute_precision))
     res["step_cost_rounds"] = rounds
     res["plain_step_ms"] = statistics.median(rounds["plain"])
     res["plain_keep_freed_step_ms"] = statistics.median(rounds["plain_keep_freed"])
@@ -516,7 +525,7 @@ def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) ->
     print(f"plain reference step (NCHW, batch 1, grad per step, 1 thread): {res['plain_step_ms']:.2f} ms", flush=True)
     print(f"  the same with this project's allocator setting: {res['plain_keep_freed_step_ms']:.2f} ms", flush=True)
     o = res["ours"]
-    print(f"this model per step (1 thread): forward {o['forward_ms']:.2f} ms + update {o['update_ms']:.2f} ms "
+    print(f"this model per step (1 thread, {args.compute_precision}): forward {o['forward_ms']:.2f} ms + update {o['update_ms']:.2f} ms "
           f"+ optimizer {o['optimizer_ms']:.2f} ms = {o['total_ms']:.2f} ms", flush=True)
     res["env_steps_per_s"] = env_steps_per_s(opts.env, args.env_config, opts.workers, opts.env_seconds)
     print(f"environment only, {opts.workers} processes: {res['env_steps_per_s']:.0f} steps/s", flush=True)
@@ -533,15 +542,22 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
                                       "--gpu-ids", *map(str, opts.gpu_ids),
                                       "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
     args.env_config = str(ROOT / "config.json")
+    from config import precision_warnings, validate_precision
+    problems = validate_precision(args)
+    if problems:
+        raise SystemExit("benchmark.py: error: " + "; ".join(problems))
+    for line in precision_warnings(args):
+        print(f"benchmark.py: {line}", file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids}
+    res = {"machine": machine(), "env": opts.env, "workers": opts.workers, "gpu_ids": opts.gpu_ids,
+           "precision": args.compute_precision}
     print(f"machine: {res['machine']}", flush=True)
     if not opts.modes_only:
         base_costs(opts, args, res)
     res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
     tr = res["training"]
-    print(f"training, {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
+    print(f"training ({args.compute_precision}), {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
           f"({tr['steps']} steps in {tr['seconds']:.0f} s)", flush=True)
     print("resident memory MiB (start -> end of window): " + ", ".join(
         f"{k} {tr['rss_mib_start'][k]:.0f} -> {tr['rss_mib_end'].get(k, float('nan')):.0f}"
@@ -567,6 +583,7 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
     if opts.ga3c:
         import shlex
         gargs = build_parser().parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
+                                           "--precision", opts.precision,
                                            "--gpu-ids", *map(str, opts.gpu_ids), "--log-dir", str(out_dir / "ga3c"),
                                            "--save-model-dir", str(out_dir / "ga3c"), *shlex.split(opts.ga3c_flags)])
         gargs.env_config = args.env_config
@@ -577,7 +594,7 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
                                                      "predict_batch", "train_batch", "queue_size", "num_steps",
-                                                     "dynamic")}
+                                                     "dynamic", "compute_precision")}
         res["roof_fraction_ga3c"] = g["steps_per_s"] * flop / (roof * 1e9)
         res["ga3c_over_a3g"] = g["steps_per_s"] / tr["steps_per_s"]
         print(f"GA3C mode ({' '.join(f'{k}={v}' for k, v in g['flags'].items())}) + monitor: "
