@@ -43,7 +43,7 @@ from a3g.run import A3gRun, shutdown  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, check_checkpoint,  # noqa: E402
                         check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
                         remove_stale_temp_files, state_dict_of)
-from config import build_parser, validate  # noqa: E402
+from config import build_parser, precision_warnings, validate  # noqa: E402
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -92,10 +92,11 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     return shlex.join(["python", script, *out, "--load"])
 
 
-def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float) -> None:
-    """One status line in the training log and, with --tensorboard-logger, the same numbers in TensorBoard."""
+def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float, precision: str) -> None:
+    """One status line in the training log (ending with the run's precision) and, with --tensorboard-logger, the
+    same numbers in TensorBoard."""
     line, scalars = mode.status(rate, span)
-    log.info(line)
+    log.info(f"{line} | {precision}")
     if tb is None:
         return
     for name, value in scalars.items():
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     errors = validate(args)
     if errors:
         fail(errors)
+    for line in precision_warnings(args):
+        print(f"main.py: {line}", file=sys.stderr, flush=True)
     n_actions = num_actions(args.env)
 
     resume_ckpt, resume_sd, resume_path = None, None, None
@@ -245,7 +248,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     if resume_path is not None:
         log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
 
-    log.info(f"training {args.env} ({n_actions} actions) {mode.describe()}; stop at "
+    if resume_ckpt is not None:
+        was = (resume_ckpt.get("config") or {}).get("compute_precision", "fp32")
+        if was != args.compute_precision:
+            log.info(f"the checkpoint was trained in {was}; this run goes on in {args.compute_precision} (the files "
+                     f"are float32 in either)")
+    log.info(f"training {args.env} ({n_actions} actions) {mode.describe()} in {args.compute_precision}; stop at "
              + ", ".join(s for s in [
                  f"{args.max_steps:,} steps" if args.max_steps else "",
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
@@ -305,7 +313,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                     break
                 last_ckpt = now
             if now - last_status >= args.status_every_seconds:
-                report_status(log, tb, mode, steps, (steps - status_steps) / (now - last_status), now - last_status)
+                report_status(log, tb, mode, steps, (steps - status_steps) / (now - last_status), now - last_status,
+                              args.compute_precision)
                 last_status, status_steps = now, steps
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -317,7 +326,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         mode.close()
         if procs:  # the last stretch's losses and speed, so that even a short run logs them once
             span = max(time.time() - last_status, 1e-9)
-            report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span)
+            report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span,
+                          args.compute_precision)
         for role, text in run.errors.read_all() + mode.errors():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")

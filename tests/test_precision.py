@@ -242,6 +242,32 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path):
         run.release()
 
 
+def test_the_real_worker_loop_acts_and_updates_in_the_runs_precision(tmp_path, monkeypatch):
+    """``train.run_worker`` itself (in-process): its model runs the encoder in the resolved precision."""
+    import train
+    from run_state import RunState
+    from shared_optim import SharedAdam
+
+    seen = []
+
+    class Recording(A3Clstm):
+        def features(self, x, cache=None):
+            seen.append(self.compute_dtype)
+            return super().features(x, cache)
+
+    monkeypatch.setattr(train, "A3Clstm", Recording)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--precision", name, "--log-dir",
+                                          str(tmp_path), "--save-model-dir", str(tmp_path)])
+        assert validate(args) == []
+        shared = A3Clstm(1, 6, 32)
+        shared.share_memory()
+        seen.clear()
+        assert train.run_worker(0, args, shared, SharedAdam(shared.parameters(), lr=1e-3), RunState(1), CPU,
+                                max_updates=2) == 2
+        assert seen and set(seen) == {dtype}
+
+
 # ---- entry points ---------------------------------------------------------------------------------------------------
 
 def test_gym_eval_plays_in_bf16_when_told_and_says_so(tmp_path):
@@ -256,3 +282,35 @@ def test_gym_eval_plays_in_bf16_when_told_and_says_so(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["precision"] == "bf16" and "model in bf16" in r.stdout
     assert summary["scores"][0] >= 19  # the shipped model still wins with a bf16 encoder
+
+
+def test_a_bf16_run_says_so_saves_float32_files_and_resumes_in_fp32_then_in_ga3c_bf16(tmp_path):
+    """A3G in bf16, resumed in fp32, then resumed in GA3C mode in bf16: each run's start and status lines and its
+    checkpoint name the precision; the files stay float32 (they load into an fp32 model unchanged)."""
+    from conftest import ROOT, run_entry
+    from model import A3Clstm
+    common = ["--hidden-size", "32", "--test-every-steps", "150", "--env-config", str(ROOT / "config.json"),
+              "--max-steps", "0", "--max-episode-length", "200", "--target-score", "-1000",
+              "--status-every-seconds", "1", "--log-dir", str(tmp_path / "logs"),
+              "--save-model-dir", str(tmp_path / "models")]
+    ckpt_path = tmp_path / "models" / "PongNoFrameskip-v4.ckpt"
+    runs = [(["--workers", "1", "--precision", "bf16", "--score-window", "2"], "bf16", None),
+            (["--workers", "1", "--precision", "fp32", "--score-window", "4", "--load"], "fp32", "bf16"),
+            (["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "2", "--num-steps", "5", "--train-batch", "2",
+              "--trainers", "1", "--precision", "bf16", "--score-window", "6", "--load"], "bf16", "fp32")]
+    steps = 0
+    for flags, precision_name, was in runs:
+        r = run_entry("main.py", *flags, *common, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert f"in {precision_name}; stop at" in r.stdout
+        if was is not None:
+            assert f"the checkpoint was trained in {was}; this run goes on in {precision_name}" in r.stdout
+        status = [line for line in r.stdout.splitlines() if " steps/s" in line and "[monitor]" not in line
+                  and line.rstrip().endswith(f"| {precision_name}")]
+        assert status, r.stdout[-2000:]
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        assert ckpt["config"]["compute_precision"] == precision_name and ckpt["global_steps"] > steps
+        steps = ckpt["global_steps"]
+        assert {v.dtype for v in ckpt["model"].values()} == {torch.float32}
+        m = A3Clstm(1, 6, 32)
+        m.load_state_dict(torch.load(tmp_path / "models" / "PongNoFrameskip-v4.dat", weights_only=True))
