@@ -8,7 +8,7 @@ state, the heads, the returns, GAE, advantages and loss sums (docs/design.md, "P
 - a CPU has native bf16 when it has the AVX-512 BF16 or AMX-BF16 instructions (``avx512_bf16`` / ``amx_bf16`` in
   ``/proc/cpuinfo``; torch's own CPU feature probe where it has one). Without them bf16 is emulated and slower
   than fp32 (about 2x on an AVX-512 Xeon without ``avx512_bf16``).
-- a CUDA device supports it when ``torch.cuda.is_bf16_supported()`` says so for it (compute capability 8.0+).
+- a CUDA device has it from compute capability 8.0 on (Ampere, Hopper, ...); older GPUs emulate it.
 
 The files a run writes stay float32 in either precision, so a run resumes in the other one.
 """
