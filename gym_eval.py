@@ -9,8 +9,9 @@ time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--se
 normalisation statistics, so a seed gives the same scores with any number of ``--workers``.
 
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
-mean ± std, min, max, median, and the protocol); a JSON summary (``--json``, by default
-``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``).
+mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
+every file in trained_models/ has), a ``card:`` line with the card's evaluation on this env next to this run's;
+a JSON summary (``--json``, by default ``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``).
 
 Exit codes: 0 done; 2 bad input; 130 Ctrl-C.
 """
@@ -22,6 +23,7 @@ if __name__ == "__mp_main__":  # an evaluation process: die with the main one (s
     lifeline.bind_to_parent()
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -193,6 +195,42 @@ def summarize(scores: list[float]) -> dict:
             "max": max(scores), "median": statistics.median(scores)}
 
 
+def card_claim(model: Path, env_id: str) -> dict | None:
+    """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
+
+    A card is ``<stem>.json`` next to the model file whose ``model_file`` names it (trained_models/ ships one per
+    model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file"}``: ``evaluation`` is the
+    card's entry for ``env_id`` (None where it has none) and ``same_file`` is False where the card's sha256 is not
+    this file's (a model replaced after its card was written, whose figures do not apply)."""
+    path = model.with_suffix(".json")
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(card, dict) or card.get("model_file") != model.name:
+        return None
+    with model.open("rb") as f:
+        same_file = hashlib.file_digest(f, "sha256").hexdigest() == card.get("sha256")
+    evaluation = next((e for e in card.get("evaluations", []) if e.get("env") == env_id), None)
+    return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file}
+
+
+def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_precision: str) -> str:
+    """One line: the card's evaluation on ``env_id`` beside this run's ``n`` games (``s``: ``summarize``'s dict),
+    naming the protocol settings in which this run differs from the card's."""
+    e = claim["evaluation"]
+    if not claim["same_file"]:
+        return f"card: {claim['path']} describes another file (its sha256 differs): not compared"
+    if e is None:
+        return f"card: no evaluation on {env_id} (trained on {claim['trained_on']})"
+    line = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
+            f"this run: {n} games {s['mean']:.2f} ± {s['std']:.2f}")
+    differs = [f"{k} {v} (card: {e['protocol'].get(k)})" for k, v in proto.items() if e["protocol"].get(k) != v]
+    if e.get("precision") != compute_precision:
+        differs.append(f"precision {compute_precision} (card: {e.get('precision')})")
+    return line + (f"; not the card's protocol: {', '.join(differs)}" if differs else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     errors = validate(args)
@@ -298,9 +336,17 @@ def main(argv: list[str] | None = None) -> int:
                f"{'' if args.compute_precision == 'fp32' else ', model in ' + args.compute_precision})")
     log.info(summary)
     print(summary, flush=True)
+    claim = card_claim(path, args.env)
+    if claim is not None:
+        try:
+            claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a hand-edited card must not cost the results
+            claim["line"] = f"card: {claim['path']} is malformed ({e!r}): not compared"
+        log.info(claim["line"])
+        print(claim["line"], flush=True)
     out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,
            "lengths": [lengths[i] for i in order], "seed": args.seed, "protocol": proto,
-           "precision": args.compute_precision,
+           "precision": args.compute_precision, "card": claim,
            "wall_seconds": wall}
     if args.record:
         out["videos"] = {str(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4"): frames[i]

@@ -1,0 +1,290 @@
+"""Model cards: every model file in trained_models/ has a card (``<stem>.json`` beside it) and every card a model
+file; each card holds the required fields, describes the very file (sha256, size), and its figures are those of the
+JSONs and CSVs it cites in results/. ``card_problems`` can be pointed at any folder, so each kind of error is also
+made on purpose in a copy under tmp_path and must be reported. Last, gym_eval.py prints the card's claim beside
+one game of the shipped model.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_entry
+
+MODEL_SUFFIX = ".dat"  # what trained_models/ ships (upstream's format); .ckpt and temporary files are gitignored
+CARD_FIELDS = ("model_file", "sha256", "bytes", "env", "training", "machine", "evaluations", "limitations")
+TRAINING_FIELDS = ("pieces", "global_steps", "wall_time_s", "monitor_csvs")
+PIECE_FIELDS = ("command", "commit")
+MACHINE_FIELDS = ("cpu", "cores", "precision")
+EVALUATION_FIELDS = ("env", "command", "episodes", "first_seed", "mean", "std", "min", "max", "median", "precision",
+                     "protocol", "source")
+# a card's evaluation field -> the key of gym_eval.py's JSON summary that it must equal
+FROM_SUMMARY = {"env": "env", "episodes": "episodes", "first_seed": "seed", "mean": "mean", "std": "std",
+                "min": "min", "max": "max", "median": "median", "protocol": "protocol"}
+
+
+def _missing(d: dict, fields: tuple[str, ...], where: str) -> list[str]:
+    return [f"{where}: no '{f}'" for f in fields if d.get(f) in (None, "", [])]
+
+
+def _in_results(repo: Path, rel: str) -> bool:
+    """``rel`` names a file in ``repo``'s results/ folder, where the project keeps what it measured."""
+    return Path(rel).parts[:1] == ("results",) and (repo / rel).is_file()
+
+
+def _last_row(path: Path) -> dict:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))[-1]
+
+
+def _field_problems(card: dict, name: str) -> list[str]:
+    """The required fields a card lacks, and an 'unknown' commit that no note explains."""
+    training, machine = card.get("training") or {}, card.get("machine") or {}
+    found = _missing(card, CARD_FIELDS, name) + _missing(training, TRAINING_FIELDS, f"{name} training")
+    for i, piece in enumerate(training.get("pieces") or []):
+        found += _missing(piece, PIECE_FIELDS, f"{name} training piece {i + 1}")
+    if any(p.get("commit") == "unknown" for p in training.get("pieces") or []) and not training.get("commit_note"):
+        found.append(f"{name}: a commit is 'unknown' and training has no 'commit_note' saying why")
+    found += _missing(machine, MACHINE_FIELDS, f"{name} machine")
+    for i, e in enumerate(card.get("evaluations") or []):
+        found += _missing(e, EVALUATION_FIELDS, f"{name} evaluation {i + 1}")
+    return found
+
+
+def _training_problems(training: dict, repo: Path, name: str) -> list[str]:
+    """The steps and running time against the last row of the last monitor CSV the card cites."""
+    not_there = [rel for rel in training["monitor_csvs"] if not _in_results(repo, rel)]
+    if not_there:
+        return [f"{name}: monitor_csvs {not_there} are not files in results/"]
+    csv_rel = training["monitor_csvs"][-1]
+    last = _last_row(repo / csv_rel)
+    found = []
+    if training["global_steps"] != int(last["global_steps"]):
+        found.append(f"{name}: global_steps {training['global_steps']}, the last monitor row of {csv_rel} says "
+                     f"{last['global_steps']}")
+    if training["wall_time_s"] != round(float(last["elapsed_s"])):
+        found.append(f"{name}: wall_time_s {training['wall_time_s']}, the last monitor row of {csv_rel} says "
+                     f"{last['elapsed_s']}")
+    return found
+
+
+def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list[str]:
+    """Each evaluation against the gym_eval.py JSON it cites; one with and one without sticky actions; the figures
+    quoted in the limitations."""
+    found = []
+    model_rel = model.relative_to(repo).as_posix() if model.is_relative_to(repo) else str(model)
+    sticky = set()
+    for e in card["evaluations"]:
+        where = f"{name} evaluation on {e['env']} ({e['source']})"
+        if not _in_results(repo, e["source"]):
+            found.append(f"{where}: the source is not a file in results/")
+            continue
+        summary = json.loads((repo / e["source"]).read_text())
+        found += [f"{where}: {k} {e[k]!r}, the source says {summary.get(s)!r}"
+                  for k, s in FROM_SUMMARY.items() if e[k] != summary.get(s)]
+        if len(summary.get("scores", [])) != e["episodes"]:
+            found.append(f"{where}: {len(summary.get('scores', []))} scores in the source, not {e['episodes']}")
+        # gym_eval.py writes "precision" since --precision came in; every evaluation before that was fp32
+        if e["precision"] != summary.get("precision", "fp32"):
+            found.append(f"{where}: precision {e['precision']}, the source's is {summary.get('precision', 'fp32')}")
+        if summary.get("model") != model_rel:
+            found.append(f"{where}: the source evaluated {summary.get('model')}, not {model_rel}")
+        if e["episodes"] < 100:
+            found.append(f"{where}: {e['episodes']} games, a card's evaluations have at least 100")
+        sticky.add(e["protocol"].get("repeat_action_probability", 0) > 0)
+    for is_sticky, what in ((False, "the default protocol (no sticky actions)"), (True, "sticky actions")):
+        if is_sticky not in sticky:
+            found.append(f"{name}: no evaluation with {what}")
+    if card["env"] not in [e["env"] for e in card["evaluations"]]:
+        found.append(f"{name}: no evaluation on the env it was trained on, {card['env']}")
+    quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
+    measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"]}
+    return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+
+
+def card_problems(models_dir: Path, repo: Path) -> list[str]:
+    """Every problem with the model cards in ``models_dir``, one line each; [] when there is none.
+
+    Paths a card cites (``source``, ``monitor_csvs``) are relative to ``repo``, and an evaluation's ``model`` must
+    be the model file's path relative to ``repo``: a card cannot cite another model's evaluation."""
+    models = sorted(models_dir.glob(f"*{MODEL_SUFFIX}"))
+    cards = sorted(models_dir.glob("*.json"))
+    problems = [f"{m.name}: no card ({m.stem}.json)" for m in models if not m.with_suffix(".json").is_file()]
+    problems += [f"{c.name}: no model file ({c.stem}{MODEL_SUFFIX})" for c in cards
+                 if not c.with_suffix(MODEL_SUFFIX).is_file()]
+    for card_path in cards:
+        model, name = card_path.with_suffix(MODEL_SUFFIX), card_path.name
+        try:
+            card = json.loads(card_path.read_text())
+        except ValueError as e:
+            problems.append(f"{name}: not valid JSON ({e})")
+            continue
+        missing = _field_problems(card, name)
+        if missing:
+            problems += missing
+            continue
+        if card["model_file"] != model.name:
+            problems.append(f"{name}: model_file is '{card['model_file']}', not {model.name}")
+        if model.is_file():
+            digest = hashlib.sha256(model.read_bytes()).hexdigest()
+            if card["sha256"] != digest:
+                problems.append(f"{name}: sha256 {card['sha256']} is not {model.name}'s ({digest})")
+            if card["bytes"] != model.stat().st_size:
+                problems.append(f"{name}: bytes {card['bytes']}, the file has {model.stat().st_size}")
+        problems += _training_problems(card["training"], repo, name)
+        problems += _evaluation_problems(card, model, repo, name)
+    return problems
+
+
+def test_every_shipped_model_has_a_card_that_matches_what_it_cites():
+    assert list((ROOT / "trained_models").glob(f"*{MODEL_SUFFIX}")), "no model file in trained_models/"
+    assert card_problems(ROOT / "trained_models", ROOT) == []
+
+
+@pytest.fixture
+def repo_copy(tmp_path) -> Path:
+    """trained_models/ (cards copied, model files linked) and every results/ file the cards cite, under tmp_path."""
+    (tmp_path / "trained_models").mkdir()
+    for f in (ROOT / "trained_models").iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, tmp_path / "trained_models" / f.name)
+            card = json.loads(f.read_text())
+            for rel in [e["source"] for e in card["evaluations"]] + card["training"]["monitor_csvs"]:
+                (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / rel, tmp_path / rel)
+        elif f.suffix == MODEL_SUFFIX:
+            (tmp_path / "trained_models" / f.name).symlink_to(f)
+    return tmp_path
+
+
+def _edit_card(repo: Path, edit) -> None:
+    path = repo / "trained_models" / "PongNoFrameskip-v4.json"
+    card = json.loads(path.read_text())
+    edit(card)
+    path.write_text(json.dumps(card, indent=2))
+
+
+def _sticky(card: dict) -> dict:
+    return next(e for e in card["evaluations"] if e["protocol"]["repeat_action_probability"] > 0)
+
+
+def _default(card: dict) -> dict:
+    return next(e for e in card["evaluations"] if e["protocol"]["repeat_action_probability"] == 0)
+
+
+def _drop(d: dict, key: str) -> None:
+    del d[key]
+
+
+BREAKAGES = {
+    "a mean": (lambda c: _default(c).update(mean=_default(c)["mean"] - 0.01), "mean 20.99"),
+    "a std": (lambda c: _sticky(c).update(std=round(_sticky(c)["std"], 2)), "std 11.06"),
+    "a min": (lambda c: _sticky(c).update(min=_sticky(c)["min"] + 1), "min -20.0"),
+    "a max": (lambda c: _sticky(c).update(max=_sticky(c)["max"] + 1), "max 20.0"),
+    "the games": (lambda c: _default(c).update(episodes=_default(c)["episodes"] - 1), "episodes 99"),
+    "the seed": (lambda c: _default(c).update(first_seed=_default(c)["first_seed"] + 1), "first_seed 2"),
+    "the env": (lambda c: _sticky(c).update(env="PongNoFrameskip-v4"), "env 'PongNoFrameskip-v4', the source says "
+                                                                        "'PongNoFrameskip-v0'"),
+    "a missing source": (lambda c: _default(c).update(source="results/not_there.json"),
+                         "the source is not a file in results/"),
+    "the precision": (lambda c: _default(c).update(precision="bf16"), "precision bf16"),
+    "a missing sticky evaluation": (lambda c: c["evaluations"].remove(_sticky(c)), "no evaluation with sticky"),
+    "a missing field": (lambda c: _drop(c["machine"], "precision"), "machine: no 'precision'"),
+    "a missing command": (lambda c: _drop(c["training"]["pieces"][1], "command"), "piece 2: no 'command'"),
+    "an unexplained unknown commit": (lambda c: _drop(c["training"], "commit_note"), "no 'commit_note'"),
+    "the steps": (lambda c: c["training"].update(global_steps=c["training"]["global_steps"] + 1), "global_steps"),
+    "the wall time": (lambda c: c["training"].update(wall_time_s=c["training"]["wall_time_s"] + 60), "wall_time_s"),
+    "the sha256": (lambda c: c.update(sha256="0" * 64), "sha256 0000"),
+    "a missing monitor CSV": (lambda c: c["training"]["monitor_csvs"].append("logs/x_monitor.csv"),
+                              "are not files in results/"),
+    "a quoted figure": (lambda c: c.update(limitations=c["limitations"] + " Sticky: 1.67 ± 11.06."),
+                        "limitations quote 1.67 ± 11.06"),
+}
+
+
+@pytest.mark.parametrize("what", list(BREAKAGES))
+def test_a_card_that_disagrees_with_its_sources_is_reported(repo_copy, what):
+    assert card_problems(repo_copy / "trained_models", repo_copy) == []  # the copy itself is clean
+    edit, expected = BREAKAGES[what]
+    _edit_card(repo_copy, edit)
+    problems = card_problems(repo_copy / "trained_models", repo_copy)
+    assert any(expected in p for p in problems), problems
+
+
+def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
+    src = repo_copy / "results" / "pong_eval_default.json"
+    summary = json.loads(src.read_text())
+    changed = dict(summary, mean=summary["mean"] - 0.5)
+    src.write_text(json.dumps(changed))
+    assert any("mean 21.0, the source says 20.5" in p for p in card_problems(repo_copy / "trained_models", repo_copy))
+    src.write_text(json.dumps(dict(summary, model="runs/pong-fixed/models/PongNoFrameskip-v4.dat")))
+    assert any("the source evaluated runs/pong-fixed" in p
+               for p in card_problems(repo_copy / "trained_models", repo_copy))
+
+
+def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_copy):
+    models = repo_copy / "trained_models"
+    card = models / "PongNoFrameskip-v4.json"
+    card.rename(models / "BreakoutNoFrameskip-v4.json")
+    problems = card_problems(models, repo_copy)
+    assert "PongNoFrameskip-v4.dat: no card (PongNoFrameskip-v4.json)" in problems
+    assert "BreakoutNoFrameskip-v4.json: no model file (BreakoutNoFrameskip-v4.dat)" in problems
+
+
+def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
+    """gym_eval.py's helpers on the shipped card: the claim for each env, no card, a replaced model file."""
+    from environment import protocol
+    from gym_eval import card_claim, card_line
+
+    card = json.loads((ROOT / "trained_models" / "PongNoFrameskip-v4.json").read_text())
+    model = repo_copy / "trained_models" / "PongNoFrameskip-v4.dat"
+    run = {"mean": 20.5, "std": 0.5}
+
+    def line(env, **proto_args):
+        proto = protocol(env, **{"max_episode_length": 10000, "skip_rate": 4, "episodic_life": False, **proto_args})
+        return card_line(card_claim(model, env), env, 2, run, proto, "fp32")
+
+    for e in card["evaluations"]:
+        assert line(e["env"]) == (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} "
+                                  f"({e['source']}); this run: 2 games 20.50 ± 0.50")
+    assert line("Pong-v4") == f"card: no evaluation on Pong-v4 (trained on {card['env']})"
+    assert line(card["env"], max_episode_length=60).endswith(
+        "; not the card's protocol: time_limit_agent_steps 60 (card: 10000)")
+
+    alone = tmp_path / "elsewhere" / "PongNoFrameskip-v4.dat"
+    alone.parent.mkdir()
+    alone.symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
+    assert card_claim(alone, card["env"]) is None  # no card: nothing is printed
+    (alone.parent / "PongNoFrameskip-v4.json").write_text(json.dumps({"env": "an eval summary, not a card"}))
+    assert card_claim(alone, card["env"]) is None
+
+    replaced = tmp_path / "replaced"
+    replaced.mkdir()
+    shutil.copy(repo_copy / "trained_models" / "PongNoFrameskip-v4.json", replaced)
+    (replaced / "PongNoFrameskip-v4.dat").write_bytes(b"a model trained over the shipped one")
+    claim = card_claim(replaced / "PongNoFrameskip-v4.dat", card["env"])
+    assert card_line(claim, card["env"], 2, run, {}, "fp32").endswith("describes another file (its sha256 differs): "
+                                                                      "not compared")
+
+
+def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(tmp_path):
+    shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
+    card = json.loads(shipped.with_suffix(".json").read_text())
+    e = next(e for e in card["evaluations"] if e["env"] == card["env"])
+    r = run_entry("gym_eval.py", "--env", card["env"], "--model-file", str(shipped), "--num-episodes", "1",
+                  "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "s.json"), cwd=tmp_path, timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    expected = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
+                f"this run: 1 games {summary['mean']:.2f} ± 0.00")
+    lines = r.stdout.splitlines()
+    summary_at = next(i for i, x in enumerate(lines) if x.startswith(f"{card['env']}: 1 games, mean"))
+    assert lines[summary_at + 1] == expected, r.stdout[-2000:]
+    assert summary["card"] == {"path": str(shipped.with_suffix(".json")), "trained_on": card["env"], "evaluation": e,
+                               "same_file": True, "line": expected}
