@@ -6,6 +6,8 @@ shared optimizer statistics) plus a sync thread that trades its weight change fo
 in-process with a ``ParameterServer`` object); ``RayNode`` is the Ray actor, where ``call`` is a remote call.
 Its worker processes are bound to the node's process (``lifeline``): when Ray kills or loses the node, they die
 with it, and Ray starts the node again, which joins from the current global weights.
+
+``Uplink`` is the node's side of the push protocol, which applies every push at most once (``multinode.ps``).
 """
 from __future__ import annotations
 
@@ -46,6 +48,53 @@ def local_gpu_ids(gpu_ids: list[int]) -> list[int] | None:
     return [distinct.index(g) for g in gpu_ids]
 
 
+class Uplink:
+    """A node's pushes to the parameter server (``call(method, *args)``), each applied at most once.
+
+    Pushes are numbered 1, 2, ... within the node's join ``epoch``, and the server refuses a number it has already
+    applied (``ParameterServer.push``). A push whose answer does not come (a timeout does not cancel the remote
+    call: it can still run later, after a slow checkpoint write or other nodes' syncs) is kept as ``pending``, and
+    no push goes out while one is pending: the next sync first asks the server for the last number it applied
+    (``landed``). The server runs one call at a time, a caller's calls in the order they were sent (Ray does so for
+    a single-threaded actor whose calls are not retried, as ``multinode.run`` makes it), so that answer comes after
+    the pending push ran, or after it was lost with a server that died. Then the change sent is ``live - base``,
+    where ``base`` has become the pending push's ``sent`` if it landed: only what has not landed, with only the
+    steps that have not been counted.
+    """
+
+    def __init__(self, call, index: int, epoch: int, weights: dict[str, torch.Tensor]):
+        self._call = call
+        self.index = index
+        self.epoch = epoch
+        self.base = clone_weights(weights)  # the next change is measured from here: the global weights last
+        # received, or a pending push's sent weights once it landed
+        self.reported = 0  # the node's step count the server has counted up to
+        self.seq = 0  # the number of the last push sent
+        self.pending: tuple[int, dict[str, torch.Tensor], int] | None = None  # (seq, sent, step count) unanswered
+
+    def sync(self, live: dict[str, torch.Tensor], steps: int, stats: list | None = None,
+             payload: dict | None = None) -> None:
+        """Send ``live``'s change that has not landed with the steps (``steps``: the node's count now) not yet
+        counted, then move ``live`` onto the global weights (``multinode.merge.rebase``). Raises what ``call``
+        raises when the server does not answer; the change then goes with a later sync."""
+        if self.pending is not None:
+            seq, sent, counted = self.pending
+            if self._call("landed", self.index, self.epoch) >= seq:
+                self.base, self.reported = sent, counted
+            self.pending = None
+        sent = clone_weights(live)
+        self.seq += 1
+        try:
+            received = self._call("push", self.index, self.epoch, self.seq, weight_change(sent, self.base),
+                                  steps - self.reported, stats, payload)
+        except BaseException:
+            self.pending = (self.seq, sent, steps)
+            raise
+        received = clone_weights(received)
+        rebase(live, sent, received)
+        self.base, self.reported = received, steps
+
+
 class HogwildNode:
     """A hogwild node joined to a parameter server (see the module docstring)."""
 
@@ -58,14 +107,13 @@ class HogwildNode:
                                f"this machine shows {torch.cuda.device_count()}")
         self.args = node_args(args, index, gpu_map)
         self.index = index
-        self._call = call
         joined = call("join", index)
         self.joins = int(joined["joins"])
         self.model = A3Clstm(1, n_actions, args.hidden_size)
         self.model.load_state_dict(joined["weights"])
         self.model.share_memory()
         self.live = self.model.state_dict()  # views of the shared memory the workers update
-        self.base = clone_weights(joined["weights"])
+        self.uplink = Uplink(call, index, joined["epoch"], joined["weights"])
         self.optimizer = None
         payload = joined.get("payload") or {}
         if args.shared_optimizer:
@@ -83,7 +131,6 @@ class HogwildNode:
                 self.run.norm_stats[r] = rows[r % rows.shape[0]]
         self._lock = threading.Lock()
         self._halt = threading.Event()
-        self._reported = 0
         self._last_payload = 0.0
         self.syncs = 0
         self.sync_seconds = 0.0  # wall time of the successful syncs (copying, the round trip, rebasing)
@@ -119,22 +166,15 @@ class HogwildNode:
         return {"optimizer": copy.deepcopy(state), "norm_stats": self.run.norm_stats[:self.args.workers].clone()}
 
     def sync(self, final: bool = False) -> bool:
-        """Send the change since the last sync, take the global weights; False if the server did not answer
-        (the change is kept and goes with the next sync)."""
+        """Send the change since the last sync, take the global weights (``Uplink.sync``); False if the server did
+        not answer (the change is kept and goes with the next sync, at most once)."""
         with self._lock:
             t0 = time.perf_counter()
-            sent = clone_weights(self.live)
-            steps_now = self.run.global_steps.value
             try:
-                received = self._call("push", self.index, weight_change(sent, self.base), steps_now - self._reported,
-                                      self._stats(), self._payload(final))
-            except Exception:  # the server is restarting or unreachable: try again next time
+                self.uplink.sync(self.live, self.run.global_steps.value, self._stats(), self._payload(final))
+            except Exception:  # the server is busy, restarting or unreachable: try again next time
                 self.failed_syncs += 1
                 return False
-            received = clone_weights(received)
-            rebase(self.live, sent, received)
-            self.base = received
-            self._reported = steps_now
             self.syncs += 1
             self.sync_seconds += time.perf_counter() - t0
             self.last_sync = time.time()

@@ -5,6 +5,13 @@ checkpoint and ``.dat`` it writes are where a single-machine run writes them. Ra
 comes back from the last checkpoint *this run* wrote (``run_id``), so losing it loses at most
 ``--checkpoint-every-seconds`` of training; the nodes keep their own progress meanwhile and send it on their next
 sync.
+
+Every push is applied at most once. A node numbers its pushes within its *epoch* (a number its join gets, larger
+than any epoch that node had before); the server applies a push only when its epoch is the node's current one (or a
+later one that a server restarted from an older checkpoint has not seen) and its number is above the last one it
+applied for that node. A node whose push got no answer asks ``landed`` before it pushes again
+(``multinode.node.Uplink``). The epochs and last numbers go into the checkpoint, so a server that comes back from
+it does not take a push it already holds for a new one.
 """
 from __future__ import annotations
 
@@ -54,7 +61,10 @@ class ParameterServer:
 
     @staticmethod
     def _fresh_node() -> dict:
-        return {"steps": 0, "syncs": 0, "last_sync": None, "joins": 0, "stats": None}
+        """A node's record: ``epoch`` and ``seq`` are its current join's epoch and the number of the last push
+        applied from it (0: none); ``refused`` counts pushes not applied (repeated, or from a replaced node)."""
+        return {"steps": 0, "syncs": 0, "last_sync": None, "joins": 0, "stats": None, "epoch": 0, "seq": 0,
+                "refused": 0}
 
     def _recover(self) -> None:
         """After a restart: take the weights, steps and statistics of this run's last checkpoint, if it wrote one."""
@@ -69,6 +79,9 @@ class ParameterServer:
             return
         self.weights = clone_weights(ckpt["model"])
         self.global_steps = int(ckpt.get("global_steps", 0))
+        seqs = ckpt.get("ray_push_seqs") or []
+        for n, (epoch, seq) in zip(self.nodes, seqs if len(seqs) == len(self.nodes) else []):
+            n["epoch"], n["seq"] = int(epoch), int(seq)
         if ckpt.get("optimizer") is not None or ckpt.get("norm_stats") is not None:
             rows = ckpt.get("norm_stats")
             self.payload = {"optimizer": ckpt.get("optimizer"), "norm_stats": None if rows is None else rows[:-1]}
@@ -76,23 +89,38 @@ class ParameterServer:
 
     # ---- what nodes call ----------------------------------------------------------------------------------------
     def join(self, node: int) -> dict:
-        """A node (new, or restarted by Ray) starts from the global weights and the latest statistics."""
+        """A node (new, or restarted by Ray) starts from the global weights and the latest statistics, in a new
+        epoch: the time in nanoseconds, and above the node's last epoch (pushes of the instance it replaces are
+        refused from now on; the server is pinned to one machine, so one clock orders a restarted server's epochs
+        after those in its checkpoint)."""
         if self.weights is None:
             raise RuntimeError("the parameter server has no weights yet (begin was not called)")
         n = self.nodes[node]
         n["joins"] += 1
         n["last_sync"] = time.time()
-        return {"weights": self.weights, "payload": self.payload, "joins": n["joins"]}
+        n["epoch"], n["seq"] = max(time.time_ns(), n["epoch"] + 1), 0
+        return {"weights": self.weights, "payload": self.payload, "joins": n["joins"], "epoch": n["epoch"]}
 
-    def push(self, node: int, change: dict[str, torch.Tensor], steps: int, stats: list | None = None,
-             payload: dict | None = None) -> dict[str, torch.Tensor]:
-        """Apply a node's change, count its steps, keep its statistics; answer with the global weights."""
+    def landed(self, node: int, epoch: int) -> int:
+        """The number of the last push of ``epoch`` applied from ``node`` (0: none of that epoch)."""
+        n = self.nodes[node]
+        return n["seq"] if n["epoch"] == epoch else 0
+
+    def push(self, node: int, epoch: int, seq: int, change: dict[str, torch.Tensor], steps: int,
+             stats: list | None = None, payload: dict | None = None) -> dict[str, torch.Tensor]:
+        """Apply a node's change, count its steps, keep its statistics, once per push (see the module docstring:
+        a push of an older epoch, or numbered at or below the last applied, changes nothing); answer with the
+        global weights."""
+        n = self.nodes[node]
+        if epoch < n["epoch"] or (epoch == n["epoch"] and seq <= n["seq"]):
+            n["refused"] += 1
+            return self.weights
+        n["epoch"], n["seq"] = epoch, seq
         t0 = time.perf_counter()
         apply_change(self.weights, change, self.scale)
         self.busy_seconds += time.perf_counter() - t0
         self.pushes += 1
         self.global_steps += int(steps)
-        n = self.nodes[node]
         n["steps"] += int(steps)
         n["syncs"] += 1
         n["last_sync"] = time.time()
@@ -132,6 +160,7 @@ class ParameterServer:
             "global_steps": self.global_steps,
             "norm_stats": torch.cat([learner_rows, monitor_row.reshape(1, 3)]),  # learners' rows, the monitor's last
             "ray_run_id": self.run_id,
+            "ray_push_seqs": [[n["epoch"], n["seq"]] for n in self.nodes],  # what a restarted server has applied
         }
         path = checkpoint_path(self.args.save_model_dir, self.args.env)
         try:

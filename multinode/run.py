@@ -34,6 +34,7 @@ import torch
 import lifeline
 from model import A3Clstm
 from modes import Mode
+from multinode import guard
 from run_state import UPDATE_FIELDS, RunState, StartError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,23 +164,16 @@ _SHUTDOWN_HUNG = False
 
 
 def kill_local_cluster(children: bool = True) -> None:
-    """Kill every process this driver started (``children``), and the ``local`` cluster's processes that a stop
-    signal orphaned (a Ray worker whose raylet died is re-parented away from this process; Ray names the
-    cluster's session after the pid of the process that started it, and every cluster process carries
-    ``--session-name``)."""
+    """Kill every process this driver started (``children``) but its guard (``multinode.guard``: it stays to
+    kill what is left once this process ended), and the ``local`` cluster's processes that a stop signal
+    orphaned (``guard.session_processes``)."""
     import psutil
     me = psutil.Process()
     mine = {p.pid: p for p in me.children(recursive=True)} if children else {}
-    suffix = f"_{os.getpid()}"
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        args = p.info["cmdline"] or []
-        if p.pid != me.pid and any(a.startswith("--session-name=") and a.endswith(suffix) for a in args):
-            mine[p.pid] = p
-    for p in mine.values():
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    mine.update({p.pid: p for p in guard.session_processes(me.pid)})
+    for pid in (me.pid, guard.guard_pid()):
+        mine.pop(pid, None)
+    guard.kill_all(mine.values())
 
 
 def stuck_start_up(log, local: bool):
@@ -224,6 +218,7 @@ def _connect(args: Namespace):
         # Ray runs its workers at nice 15 by default; on one machine the nodes' workers then lose the CPU to the
         # monitor and the driver, which a single-machine run's workers share it with equally.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        guard.start()  # the cluster's processes end with this one, however it ends
         kwargs.update(num_cpus=max(os.cpu_count() or 1, args.nodes * args.workers), num_gpus=gpus_needed(args) or None,
                       object_store_memory=max(256, 64 * args.nodes) * 1024 ** 2)
     try:
@@ -355,7 +350,7 @@ class RayRun(Mode):
             payload = {"optimizer": self._resume.get("optimizer") if same_opt else None,
                        "norm_stats": None if rows is None else rows[:-1].clone()}
         here = ray.get_runtime_context().get_node_id()
-        self.ps = ray.remote(ParameterServer).options(
+        self.ps = ray.remote(ParameterServer).options(  # one call at a time, in each caller's order: node.Uplink
             num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
             name=self.ps_name,

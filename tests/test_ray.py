@@ -8,14 +8,17 @@ teardown; Ray's own processes are in that session too).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -23,8 +26,8 @@ import torch
 
 from conftest import ROOT
 from test_faults import launch  # noqa: F401 - the fixture
-from test_faults import (CKPT, START_SECONDS, TRACEBACK, check_end, describe, load_saved, models_dir, pause,
-                         resume_run, title, train_args)
+from test_faults import (CKPT, END_SECONDS, START_SECONDS, TRACEBACK, check_end, describe, load_saved, models_dir,
+                         pause, resume_run, title, train_args)
 
 from multinode.merge import (apply_change, max_nodes, merge_scale, rebase, scale_row, sync_traffic, weight_bytes,
                              weight_change)
@@ -116,7 +119,7 @@ def test_parameter_server_applies_changes_counts_steps_and_comes_back_from_its_o
     joined = ps.join(1)
     assert joined["joins"] == 1 and torch.equal(joined["weights"]["critic_linear.bias"], start["critic_linear.bias"])
     change = {k: torch.full_like(v, 0.5) for k, v in start.items()}
-    got = ps.push(1, change, 40, [1.0] * 7, None)
+    got = ps.push(1, joined["epoch"], 1, change, 40, [1.0] * 7, None)
     assert torch.allclose(got["critic_linear.bias"], start["critic_linear.bias"] + 0.5)
     st = ps.status()
     assert st["global_steps"] == 140 and st["nodes"][1]["steps"] == 40 and st["nodes"][1]["syncs"] == 1
@@ -129,6 +132,7 @@ def test_parameter_server_applies_changes_counts_steps_and_comes_back_from_its_o
                        got["actor_linear.weight"])
     again = ParameterServer(args, "run-1")  # as Ray restarts it: from this run's checkpoint, begin ignored
     assert again.recovered_from == str(path) and again.global_steps == 140
+    assert again.landed(1, joined["epoch"]) == 1 and again.landed(0, joined["epoch"]) == 0  # what it has applied
     again.begin(start, 0, None, fields())
     assert torch.equal(again.weights["critic_linear.bias"], got["critic_linear.bias"])
     other = ParameterServer(args, "run-2")  # another run's checkpoint is not this run's state
@@ -139,7 +143,7 @@ def test_average_merge_scales_each_change_by_one_over_the_nodes(tmp_path):
     from multinode.ps import ParameterServer
     ps = ParameterServer(ps_args(tmp_path, nodes=4, merge="average"), "r")
     ps.weights = {"a": torch.zeros(2)}  # as begin() sets them
-    got = ps.push(0, {"a": torch.tensor([4.0, -8.0])}, 0)
+    got = ps.push(0, 1, 1, {"a": torch.tensor([4.0, -8.0])}, 0)
     assert got["a"].tolist() == [1.0, -2.0]
 
 
@@ -170,6 +174,233 @@ def test_a_hogwild_node_trains_and_trades_its_changes_with_the_parameter_server(
     assert moved > 0
     assert out["steps"] > 0 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
                                         for pid in node.health()["workers"])
+
+
+class QueuedServer:
+    """An in-process ``ParameterServer`` reached as the Ray actor is: one call at a time, in the order sent
+    (``max_concurrency=1``); the caller waits ``timeout`` seconds for the answer, then gets ``TimeoutError`` while
+    its call stays queued and still runs later, as ``ray.get(..., timeout=...)`` cancels nothing. ``hold()`` keeps
+    the server busy (as a slow checkpoint write, or other nodes' syncs, do) until the event it returns is set;
+    ``restart(ps)`` loses the calls still queued and puts ``ps`` in their place, as Ray's restart of a dead server
+    does."""
+
+    def __init__(self, ps, timeout: float = 0.5):
+        self.ps, self.timeout = ps, timeout
+        self.pool = ThreadPoolExecutor(1)
+        self.held: list[threading.Event] = []
+
+    def call(self, method: str, *args):
+        ps = self.ps
+        return self.pool.submit(lambda: getattr(ps, method)(*args)).result(self.timeout)
+
+    def hold(self) -> threading.Event:
+        release = threading.Event()
+        self.held.append(release)
+        self.pool.submit(release.wait, 60)
+        return release
+
+    def drain(self) -> None:
+        self.pool.submit(lambda: None).result(30)
+
+    def restart(self, ps) -> None:
+        old, self.pool, self.ps = self.pool, ThreadPoolExecutor(1), ps
+        old.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        for release in self.held:
+            release.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def change_of(weights: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, value) for k, v in weights.items()}
+
+
+def plus(weights: dict[str, torch.Tensor], *changes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v + sum(c[k] for c in changes) for k, v in weights.items()}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)
+
+
+@pytest.fixture
+def idle_node(tmp_path):
+    """``(node, server, start, train)``: a ``HogwildNode`` without workers (``train(change, steps)`` plays their
+    part: it adds to the node's shared weights and step count) joined to an in-process parameter server behind a
+    ``QueuedServer``; the node's own sync thread waits an hour, so only the test syncs."""
+    from model import A3Clstm
+    from multinode.node import HogwildNode
+    from multinode.ps import ParameterServer
+    args = ps_args(tmp_path, nodes=1, workers=0, sync_seconds=3600.0, merge="sum")
+    start = {k: v.clone() for k, v in A3Clstm(1, 6, 32).state_dict().items()}
+    ps = ParameterServer(args, "run-1")
+    assert ps.begin(start, 0, None, fields())[0]
+    server = QueuedServer(ps)
+    node = HogwildNode(args, 0, server.call, 6)
+
+    def train(change: dict[str, torch.Tensor], steps: int) -> None:
+        with torch.no_grad():
+            for k, v in node.live.items():
+                v.add_(change[k])
+        node.run.global_steps.add(0, steps)
+
+    yield node, server, start, train
+    node.stop()
+    server.close()
+
+
+def test_a_push_that_times_out_and_runs_later_is_applied_once(idle_node):
+    """The push waits behind a busy server past the node's timeout, and runs later: the next syncs (one while it
+    still waits, one after) must not send its change and steps again."""
+    node, server, start, train = idle_node
+    first, second = change_of(start, 0.25), change_of(start, -0.5)
+    train(first, 40)
+    release = server.hold()
+    assert not node.sync()  # timed out; the push stays queued behind the hold
+    assert not node.sync()  # still busy: nothing new goes out while the first push may land
+    release.set()
+    server.drain()  # the queued push ran
+    ps = server.ps
+    assert ps.global_steps == 40, f"{ps.global_steps} steps counted for 40"
+    assert same_weights(ps.weights, plus(start, first)), "the change was applied more than once"
+    train(second, 25)
+    assert node.sync()
+    assert ps.global_steps == 65 and ps.status()["nodes"][0]["steps"] == 65, f"{ps.global_steps} steps for 65"
+    assert same_weights(ps.weights, plus(start, first, second)), "a change was applied more than once"
+    assert same_weights(node.live, ps.weights)
+
+
+def test_a_push_lost_with_a_dead_server_is_sent_again_once(idle_node, tmp_path):
+    """The push times out and the server dies before running it; Ray's new server comes back from the checkpoint:
+    the node's next sync sends the change again (it never landed), once."""
+    from multinode.ps import ParameterServer
+    node, server, start, train = idle_node
+    change = change_of(start, 0.25)
+    train(change, 40)
+    release = server.hold()
+    assert not node.sync()
+    server.restart(ParameterServer(server.ps.args, "run-1"))  # the queued push is lost with the old server
+    release.set()
+    assert server.ps.recovered_from is not None and server.ps.global_steps == 0
+    assert node.sync()
+    assert server.ps.global_steps == 40, f"{server.ps.global_steps} steps counted for 40"
+    assert same_weights(server.ps.weights, plus(start, change))
+
+
+def test_a_push_that_landed_before_a_checkpoint_is_not_sent_again_after_a_restart(idle_node):
+    """The push lands (its answer does not come back in time), the server writes a checkpoint, dies, and comes
+    back from it: the checkpoint holds the push and says so, so the node's next sync does not send it again."""
+    from multinode.ps import ParameterServer
+    node, server, start, train = idle_node
+    first, second = change_of(start, 0.25), change_of(start, -0.5)
+    train(first, 40)
+    release = server.hold()
+    assert not node.sync()
+    release.set()
+    server.drain()
+    assert server.ps.save(fields())[0]
+    server.restart(ParameterServer(server.ps.args, "run-1"))
+    assert server.ps.global_steps == 40
+    train(second, 25)
+    assert node.sync()
+    assert server.ps.global_steps == 65, f"{server.ps.global_steps} steps counted for 65"
+    assert same_weights(server.ps.weights, plus(start, first, second)), "a change was applied more than once"
+
+
+LATE_PUSH = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+import torch
+from config import build_parser
+from model import A3Clstm
+from multinode.node import HogwildNode
+from multinode.ps import ParameterServer
+from multinode.run import connect
+args = build_parser().parse_args(["--ray-address", "local", "--nodes", "1", "--workers", "0", "--hidden-size", "32",
+                                  "--sync-seconds", "3600", "--merge", "sum", "--save-model-dir", {models!r},
+                                  "--log-dir", {logs!r}])
+ray = connect(args)
+
+
+class BusyServer(ParameterServer):
+    def busy(self, seconds):  # as a slow checkpoint write keeps the server from the nodes' calls
+        time.sleep(seconds)
+
+
+ps = ray.remote(BusyServer).options(max_concurrency=1, max_task_retries=0).remote(args, "run-1")
+start = A3Clstm(1, 6, 32).state_dict()
+fields = dict(best_score=0.0, elapsed_seconds=0.0, config={{}}, monitor=torch.zeros(3, dtype=torch.float64),
+              recent_scores=[], monitor_norm_row=torch.zeros(3, dtype=torch.float64))
+assert ray.get(ps.begin.remote(start, 0, None, fields))[0]
+
+
+def call(method, *call_args):  # RayNode's call, with a shorter wait
+    return ray.get(getattr(ps, method).remote(*call_args), timeout=0.5)
+
+
+node = HogwildNode(args, 0, call, 6)  # no workers: the script makes their updates
+
+
+def train(value, steps):
+    with torch.no_grad():
+        for v in node.live.values():
+            v.add_(value)
+    node.run.global_steps.add(0, steps)
+
+
+train(0.25, 40)
+ps.busy.remote(2.0)
+print("answered" if node.sync() else "timed out", flush=True)
+time.sleep(2.0)
+train(-0.5, 25)
+while not node.sync():
+    print("timed out", flush=True)
+weights = ray.get(ps.get_weights.remote())
+print(json.dumps({{"steps": ray.get(ps.status.remote())["global_steps"],
+                  "error": max((weights[k] - start[k] + 0.25).abs().max().item() for k in start)}}), flush=True)
+node.stop()
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_push_that_times_out_on_ray_is_applied_once(tmp_path):
+    """The same on a real ``local`` cluster: the server actor is busy past the node's wait, Ray's timeout cancels
+    nothing, and the server runs the node's calls in the order it sent them."""
+    script = tmp_path / "late_push.py"
+    script.write_text(LATE_PUSH.format(root=str(ROOT), models=str(tmp_path / "m"), logs=str(tmp_path / "l")))
+    (tmp_path / "m").mkdir()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "timed out", proc.stdout
+    got = json.loads(lines[-1])
+    assert got["steps"] == 65, f"{got['steps']} steps counted for 65"
+    assert got["error"] < 1e-5, f"the server's weights are {got['error']} off one application of each change"
+
+
+def test_the_server_applies_a_push_once_and_refuses_a_replaced_nodes_pushes(tmp_path):
+    """By hand, at the server: a number it applied is refused; a rejoined node starts a new epoch, numbered from 1;
+    a late push of the instance it replaced changes nothing; a push of an epoch the server has not seen (a node
+    that joined after the checkpoint a restarted server came back from) is applied."""
+    from multinode.ps import ParameterServer
+    ps = ParameterServer(ps_args(tmp_path, nodes=1, merge="sum"), "r")
+    ps.begin({"a": torch.zeros(2)}, 0, None, fields())
+    old = ps.join(0)["epoch"]
+    one = {"a": torch.tensor([1.0, 0.0])}
+    ps.push(0, old, 1, one, 10)
+    ps.push(0, old, 1, one, 10)  # the same push again
+    assert ps.weights["a"].tolist() == [1.0, 0.0] and ps.global_steps == 10 and ps.landed(0, old) == 1
+    new = ps.join(0)["epoch"]
+    assert new > old and ps.landed(0, new) == 0
+    ps.push(0, old, 2, one, 10)  # the replaced instance's late push
+    ps.push(0, new, 1, {"a": torch.tensor([0.0, 2.0])}, 5)
+    assert ps.weights["a"].tolist() == [1.0, 2.0] and ps.global_steps == 15
+    assert ps.status()["nodes"][0]["refused"] == 2
+    ps.push(0, new + 7, 3, one, 1)
+    assert ps.weights["a"].tolist() == [2.0, 2.0] and ps.landed(0, new + 7) == 3 and ps.landed(0, new) == 0
 
 
 # -------------------------------------------------------------------------------------------------- bad input
@@ -266,6 +497,62 @@ def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch,
     assert set(saved) == {CKPT, "PongNoFrameskip-v4.dat"}
     # a single-machine run continues from the checkpoint the parameter server wrote
     assert resume_run(launch, tmp_path) is not None
+
+
+def kill_driver(run, what: str) -> None:
+    """``kill -9`` of the run's driver once Ray's agents run (they outlived a killed driver by a minute); no
+    process of the run may be left ``END_SECONDS`` later."""
+    agents = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+    run.poll_until(lambda: all(any(a in title(p) for p in run.processes()) for a in agents), RAY_START_SECONDS,
+                   "Ray's agents")
+    assert run.proc.poll() is None, f"the driver ended before it was killed{run.tail()}"
+    fault = time.monotonic()
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    run.exit_time = time.monotonic()
+    left = run.leftovers(fault + END_SECONDS)
+    assert not left, (f"{describe(left)} outlived the driver, killed {what}, by {END_SECONDS:.0f} s"
+                      f"{run.tail()}")
+
+
+DRIVER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from config import build_parser
+from multinode.run import connect
+ray = connect(build_parser().parse_args(["--ray-address", "local", "--nodes", "1", "--workers", "1"]))
+
+
+@ray.remote
+class Pid:
+    def pid(self):
+        return os.getpid()
+
+
+print("actor", ray.get(Pid.remote().pid.remote()), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_nothing_of_a_local_cluster_outlives_a_killed_driver(launch, tmp_path):
+    """A driver that started a ``local`` cluster (``multinode.run.connect``) and an actor, killed with SIGKILL."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT)))
+    run = launch([], script=str(script))
+    run.wait_for_output(r"actor \d+", RAY_START_SECONDS)
+    kill_driver(run, "once its actor answered")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_nothing_of_a_ray_run_outlives_its_killed_driver(launch, tmp_path):
+    """Two nodes training, then ``kill -9`` of ``main.py``: the nodes, their workers, the parameter server, the
+    monitor and every process of Ray are gone within ``END_SECONDS``; the last checkpoint loads."""
+    run = launch(ray_args(tmp_path))
+    run.poll_until(lambda: node_steps(run, 0) > 0 and node_steps(run, 1) > 0, RAY_START_SECONDS, "both nodes training")
+    kill_driver(run, "while both nodes trained")
+    load_saved(models_dir(tmp_path))
 
 
 @pytest.mark.slow
