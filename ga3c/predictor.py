@@ -4,8 +4,8 @@ Each step takes the requests waiting in the slots this predictor owns, up to ``p
 after the last slot served, so no slot starves when more are waiting), and runs ``A3Clstm.forward`` once on
 ``(B, 1, 80, 80)`` with the per-slot LSTM states gathered into ``(B, H)``. A batched forward equals stepping
 each env alone at batch 1 (tested). It then samples each action from its softmax, answers each slot with the
-action, its probability ``mu`` under the acting policy and the model version (updates so far), and scatters the
-new states back. Slots not in the batch keep their state.
+action, its probability ``mu`` under the acting policy and the version of the weights that acted (the update
+count they include), and scatters the new states back. Slots not in the batch keep their state.
 
 The LSTM state of every slot lives here, not in the agent: the agent never runs the model. A request flagged
 ``episode_start`` (a reset, after a game over, a time limit or, for learners, a lost life) zeroes its slot's
@@ -16,7 +16,9 @@ segment to ``sink`` (a ``queue.Queue`` read by the trainers in this process).
 
 Several predictors may run (threads), each owning a disjoint set of slots; they share the state tensors, each
 writing only its own slots' rows. With ``source`` the predictor acts with a private ``model`` (e.g. channels-last,
-or on another device) and copies ``source``'s weights into it whenever the version moved.
+or on another device) and copies ``source``'s weights into it once the version moved by ``sync_every``; the
+version it stamps is then that of its last copy, not the current one, so the trainers' policy lag counts the
+updates the private weights are behind.
 """
 from __future__ import annotations
 
@@ -65,10 +67,11 @@ class PredictionBatch:
 class Predictor:
     """Serves the env ``slots`` it owns (see the module docstring).
 
-    ``counters`` (``Ga3cCounters``) gives the model version (its update count) stamped on every action, and
-    counts this predictor's predictions in its slot ``index``; ``sink(segment)`` receives closed segments
-    (``None``: segments are not kept, e.g. evaluation). With ``source``, ``model`` is a private copy refreshed
-    from ``source`` whenever ``counters.version`` moved (so ``source`` needs ``counters``).
+    ``counters`` (``Ga3cCounters``) gives the model version (its update count), and counts this predictor's
+    predictions in its slot ``index``; ``sink(segment)`` receives closed segments (``None``: segments are not
+    kept, e.g. evaluation). With ``source``, ``model`` is a private copy refreshed from ``source`` once
+    ``counters.version`` moved by ``sync_every`` (so ``source`` needs ``counters``), and every action is stamped
+    with the version of that copy; without it, with the current version of ``model`` itself.
     """
 
     def __init__(self, model, buffers: EnvSlots, slots, states: SlotStates, *, num_steps: int,
@@ -114,9 +117,13 @@ class Predictor:
             return None
         req = self.buffers.read_requests(slots)
         version = self.counters.version if self.counters is not None else 0
-        if self.source is not None and (self._synced < 0 or version - self._synced >= self.sync_every):
-            sync_weights(self.model, self.source)
-            self._synced = version
+        if self.source is not None:
+            if self._synced < 0 or version - self._synced >= self.sync_every:
+                sync_weights(self.model, self.source)
+                self._synced = version
+            # the private copy acts with the weights of its last sync, up to sync_every - 1 updates older than
+            # ``version``: those are the weights the answer and the segment must name, or the lag is under-counted
+            version = self._synced
         state_slots = slots.to(self.states.device)
         starts = req["episode_start"]
         if bool(starts.any()):

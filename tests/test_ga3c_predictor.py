@@ -87,6 +87,45 @@ def test_a_private_model_follows_the_shared_one_when_the_version_moves():
         assert close(out.values[0], v.view(()))
 
 
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_every_action_is_stamped_with_the_version_of_the_weights_that_acted(sync_every):
+    """A private copy synced every ``sync_every`` updates acts with weights up to ``sync_every - 1`` updates older
+    than the shared model: the answer, the segment and so the trainer's lag histogram must name the copy's
+    version (the last sync's), not the current one, or the lag is under-counted where it is largest."""
+    from ga3c.settings import Ga3cSettings
+    from ga3c.trainer import Trainer
+
+    torch.manual_seed(6)
+    shared, private = A3Clstm(1, A, 16), A3Clstm(1, A, 16).channels_last()
+    buffers, states = EnvSlots(1), SlotStates(1, 16)
+    counters = Ga3cCounters(1, 1, 1)
+    segments = []
+    pred = Predictor(private, buffers, [0], states, num_steps=4, predict_batch=1, counters=counters, source=shared,
+                     sync_every=sync_every, sink=segments.append)
+    weights = {}  # version -> the shared weights at that version
+    g = torch.Generator().manual_seed(7)
+    for version in range(8):
+        with torch.no_grad():
+            for p in shared.parameters():
+                p.add_(0.01)  # a trainer's update
+        counters.updates[0] = version
+        weights[version] = [p.detach().clone() for p in shared.parameters()]
+        buffers.submit(0, torch.randn(1, 80, 80, generator=g), episode_start=version == 0, reward=0.5)
+        out = pred.step()
+        synced = version - version % sync_every  # copied at versions 0, sync_every, 2 sync_every, ...
+        assert out.version == int(buffers.version[0]) == synced, (version, out.version)
+        assert all(torch.equal(p, q) for p, q in zip(private.parameters(), weights[synced]))  # those acted
+    (seg,) = segments  # steps at versions 0-3, closed by the outcome in the request at version 4
+    stamped = [v - v % sync_every for v in range(4)]
+    assert seg.versions.tolist() == stamped
+    trainer = Trainer(shared, torch.optim.SGD(shared.parameters(), lr=0.0), Ga3cSettings(num_steps=4, train_batch=1),
+                      counters=counters)
+    result = trainer.update(segments)  # at version 7
+    lags = [7 - v for v in stamped]
+    assert (result.lag_mean, result.lag_max) == (pytest.approx(sum(lags) / 4), max(lags))
+    assert counters.lag_summary() == (pytest.approx(sum(lags) / 4), max(lags), 4)
+
+
 def test_the_batch_cap_serves_waiting_slots_in_turn():
     model = A3Clstm(1, A, 16)
     buffers, _, pred, _, _ = make(model, 5, predict_batch=2)
@@ -176,9 +215,13 @@ def test_segments_match_a_batch_1_replay_of_each_episode(save_activations):
     envs = [ScriptEnv(s, scripts[s]) for s in range(3)]
     stepper = AgentStepper(0, [EnvRunner(s, envs[s], buffers) for s in range(3)], buffers, counters)
     stepper.begin()
+    answered = {}  # (slot, frame) -> the model version when the predictor answered it
     for it in range(45):
         counters.updates[0] = it // 4
-        pred.step()
+        out = pred.step()
+        for s in out.slots.tolist():
+            assert int(buffers.version[s]) == it // 4
+            answered[s, buffers.obs[s].numpy().tobytes()] = it // 4
         stepper.poll()
     for s, env in enumerate(envs):
         got = [seg for seg in segments if seg.slot == s]
@@ -192,7 +235,8 @@ def test_segments_match_a_batch_1_replay_of_each_episode(save_activations):
             assert seg.bootstrap == pytest.approx(w["bootstrap"], abs=1e-5)
             assert close(seg.mu, w["mu"])
             assert close(seg.state[0], w["state"][0]) and close(seg.state[1], w["state"][1])
-            assert seg.versions.tolist() == sorted(seg.versions.tolist())
+            # each step names the version that answered it (the model acting is the counted one here)
+            assert seg.versions.tolist() == [answered[s, f.numpy().tobytes()] for f in seg.frames]
             if save_activations:  # each frame's conv activations, as a batched forward of the segment computes them
                 cache = ActivationCache()
                 with torch.no_grad():
