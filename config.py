@@ -152,9 +152,10 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                         "the policy lag and the memory of saved activations (about 0.9 MB a frame) (GA3C "
                         "MAX_QUEUE_SIZE, 100 segments of 5 steps; default: %(default)s)")
     g.add_argument("--replay-activations", action=BoolFlag, default=True,
-                   help="trainers take the conv activations the predictors computed instead of running the "
-                        "convolutions again (faster; the conv gradients are then those of the weights that acted, up "
-                        "to the policy lag); --no-replay-activations recomputes them, as GA3C (default: on)")
+                   help="predictors save the conv activations, and a trainer replays those of the frames its own "
+                        "weights acted on instead of running the convolutions again; frames acted on by older weights "
+                        "(policy lag) run again, so the gradient is always the one at the trainer's weights; "
+                        "--no-replay-activations runs every frame again and saves nothing, as GA3C (default: on)")
     g.add_argument("--is-clip", type=float, default=0.0,
                    help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
                         "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")

@@ -21,7 +21,9 @@ With ``--precision fp32 bf16`` the model pieces are timed in each precision (``-
 encoder in bfloat16, see ``precision.py``), alternated within each round, and every ceiling is given against A3G
 mode in the first precision listed.
 
-Also timed: the first conv block's backward in one piece against pieces of ``model.FIRST_BLOCK_CHUNK`` frames.
+Also timed: the first conv block's backward in one piece against pieces of ``model.FIRST_BLOCK_CHUNK`` frames,
+and with ``--lagged`` the GA3C update on segments acted on by an older model version: a trainer replays only the
+activations of frames acted on by the weights it holds, so these run the conv encoder again (``ga3c.trainer``).
 """
 from __future__ import annotations
 
@@ -114,9 +116,11 @@ def segments_from(caches: list[ActivationCache], count: int) -> list[Segment]:
     return out
 
 
-def trainer_update_ms(segments: list[Segment], repeats: int, precision: str = "fp32") -> float:
+def trainer_update_ms(segments: list[Segment], repeats: int, precision: str = "fp32", lag: int = 0) -> float:
     """``Trainer.update`` (sync, assemble, replay, loss, backward, hand-off, shared Adam step) on ``segments`` in
-    ``precision`` (the segments' saved activations must be in it); ms per agent step."""
+    ``precision`` (the segments' saved activations must be in it), each time stamped as acted on ``lag`` updates
+    before (0: the trainer's own version, so every frame's activations are replayed; >= 1: none are, the encoder
+    runs again); ms per agent step."""
     args = build_parser().parse_args(["--mode", "ga3c", "--train-batch", str(len(segments)),
                                       "--num-steps", str(len(segments[0]))])
     args.compute_precision = precision
@@ -125,11 +129,17 @@ def trainer_update_ms(segments: list[Segment], repeats: int, precision: str = "f
     optimizer = make_optimizer("Adam", shared.parameters(), 1e-4, False, shared=True)
     trainer = Trainer(shared, optimizer, Ga3cSettings.from_args(args))
     steps = sum(len(s) for s in segments)
-    trainer.update(segments)
+
+    def update():
+        for s in segments:
+            s.versions.fill_(trainer.version() - lag)
+        trainer.update(segments)
+
+    update()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        trainer.update(segments)
+        update()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / steps * 1000
 
@@ -148,6 +158,8 @@ def model_pieces_ms(opts: argparse.Namespace, precision: str) -> dict:
         r["ga3c_update_unchunked"] = trainer_update_ms(segments, opts.rollouts, precision)
     finally:
         model_module.FIRST_BLOCK_CHUNK = chunk
+    if opts.lagged:
+        r["ga3c_update_lagged"] = trainer_update_ms(segments, opts.rollouts, precision, lag=1)
     return r
 
 
@@ -211,6 +223,10 @@ def report(res: dict) -> None:
         print(f"{p}: GA3C / A3G at most {ratio:.2f}x; GA3C update with the first conv block's backward in one "
               f"piece {m[p]['ga3c_update_unchunked']:.2f} ms, in pieces of {model_module.FIRST_BLOCK_CHUNK} frames "
               f"{m[p]['ga3c_update']:.2f} ms")
+        if "ga3c_update_lagged" in m[p]:
+            print(f"{p}: GA3C update on segments acted on by an older version (the encoder runs again) "
+                  f"{m[p]['ga3c_update_lagged']:.2f} ms, {m[p]['ga3c_update_lagged'] / m[p]['ga3c_update']:.2f}x "
+                  f"the replay's")
     print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread; {res['model_mflop_per_step']:.0f} "
           f"MFLOP per step (benchmark.py's count); fraction of that roof at the ceilings: " + ", ".join(
               f"{k} {res['ceiling_roof_fraction'][k]:.2f}" for k in keys))
@@ -228,6 +244,8 @@ def budget_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", dest="precisions", nargs="+", default=["fp32"], choices=list(PRECISIONS),
                    help="the model pieces' precision(s), each timed in every round; auto = bf16 on a CPU with "
                         "native bf16, else fp32 (default: fp32)")
+    p.add_argument("--lagged", action="store_true",
+                   help="also time the GA3C update on segments that lag (no activations replayed)")
     p.add_argument("--json", help="also write the results here")
     return p
 

@@ -20,6 +20,16 @@ So the forward and backward run in parallel on private copies, and only the hand
 cross-process lock is involved).
 
 Policy lag: each update records, per batch, the mean and max over steps of ``version now - version that acted``.
+
+Saved activations (``--replay-activations``): the gradient of an update is always the one at the weights the
+trainer copied (model version v). A frame acted on by version v has conv activations that are exactly those of
+these weights, so its features come from them and its conv gradients from their replay (``model._Replay``); a
+frame acted on by any other version has its features computed again with the weights that train (the
+``--no-replay-activations`` path), because replaying its activations would mix the acting convolutions with the
+current LSTM, heads and conv weights (``benchmarks/replay_lag.py`` measures how far that mix is from either
+gradient). The choice is per frame: a frame's conv features depend on that frame and the conv weights only.
+The version is read and the weights copied under ``step_lock``, and the version moves under it with the
+optimizer step, so with several trainers the version a trainer compares with is the one of the weights it holds.
 """
 from __future__ import annotations
 
@@ -41,7 +51,9 @@ from player_util import GradientHandoff, sync_weights
 @dataclass
 class Batch:
     """B segments, flat and segment-major: ``frames (S, 1, 80, 80)``, ``actions``, ``rewards``, ``mu``,
-    ``versions (S,)``; per segment ``lengths``, ``bootstrap (B,)`` and the initial LSTM state ``hx, cx (B, H)``."""
+    ``versions (S,)``; per segment ``lengths``, ``bootstrap (B,)`` and the initial LSTM state ``hx, cx (B, H)``;
+    ``replay (S,)`` bool: the frames whose saved conv activations are replayed, and ``acts`` those frames' rows
+    (``segment.ACT_FIELDS``, in flat order), None when no frame is replayed."""
 
     frames: torch.Tensor
     actions: torch.Tensor
@@ -52,7 +64,8 @@ class Batch:
     bootstrap: torch.Tensor
     hx: torch.Tensor
     cx: torch.Tensor
-    acts: list[torch.Tensor] | None = None  # the saved conv activations (segment.ACT_FIELDS), when every segment has them
+    replay: torch.Tensor
+    acts: list[torch.Tensor] | None = None
 
     @property
     def num_segments(self) -> int:
@@ -63,14 +76,29 @@ class Batch:
         return int(self.actions.numel())
 
 
-def assemble(segments: list[Segment], device: torch.device | str = "cpu") -> Batch:
-    """Concatenate ``segments`` into a ``Batch`` on ``device``."""
+def assemble(segments: list[Segment], device: torch.device | str = "cpu", *, version: int | None) -> Batch:
+    """Concatenate ``segments`` into a ``Batch`` on ``device``.
+
+    The frames replayed (``Batch.replay``) are those of segments that carry saved activations and, with
+    ``version``, were acted on by that model version: the trainer passes the version of the weights it trains, so
+    every other frame has its conv features computed again with those weights. ``version=None`` replays every
+    saved frame whatever weights acted on it, which is the gradient at the current weights only when they are
+    the acting ones (used to measure the mixed gradient, ``benchmarks/replay_lag.py``)."""
     if not segments:
         raise ValueError("cannot assemble an empty batch")
 
     def cat(name):
         return torch.cat([getattr(s, name) for s in segments]).to(device)
 
+    # per segment, which of its frames are replayed (None: it saved no activations)
+    keep = [None if s.acts is None else torch.ones(len(s), dtype=torch.bool) if version is None
+            else s.versions == version for s in segments]
+    replay = torch.cat([torch.zeros(len(s), dtype=torch.bool) if k is None else k for s, k in zip(segments, keep)])
+    acts = None
+    if bool(replay.any()):
+        rows = [(s.acts, k) for s, k in zip(segments, keep) if k is not None and bool(k.any())]
+        acts = [cat_rows([a[i] if bool(k.all()) else a[i][k] for a, k in rows]).to(device)
+                for i in range(len(ACT_FIELDS))]
     return Batch(
         frames=cat("frames"), actions=cat("actions"), rewards=cat("rewards"), mu=cat("mu"),
         versions=cat("versions"),
@@ -78,25 +106,37 @@ def assemble(segments: list[Segment], device: torch.device | str = "cpu") -> Bat
         bootstrap=torch.tensor([s.bootstrap for s in segments], dtype=torch.float32, device=device),
         hx=torch.cat([s.state[0] for s in segments]).to(device),
         cx=torch.cat([s.state[1] for s in segments]).to(device),
-        acts=([cat_rows([s.acts[i] for s in segments]).to(device) for i in range(len(ACT_FIELDS))]
-              if all(s.acts is not None for s in segments) else None),
+        replay=replay.to(device), acts=acts,
     )
+
+
+def conv_features(model: A3Clstm, batch: Batch) -> torch.Tensor:
+    """The conv features ``(S, 1024)`` of every frame, in flat order: from the saved activations for the frames in
+    ``batch.replay`` (``model._Replay``: nothing runs forward, backward runs the conv blocks' backward from
+    them), from a forward of the encoder (``model.features``, with gradient) for the others."""
+    if batch.acts is None:
+        return model.features(batch.frames)
+    convs = model.convs()
+    replayed = _Replay.apply(conv_blocks(batch.acts), convs, *[p for c in convs for p in (c.weight, c.bias)])
+    if bool(batch.replay.all()):
+        return replayed
+    fresh = model.features(batch.frames[~batch.replay])
+    # flat position -> row of cat([replayed, fresh]): the k-th replayed frame is row k, the k-th other n_replayed + k
+    n = replayed.shape[0]
+    rows = torch.where(batch.replay, batch.replay.cumsum(0) - 1, n + (~batch.replay).cumsum(0) - 1)
+    return torch.cat([replayed, fresh]).index_select(0, rows)
 
 
 def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``values (S,)``, ``logits (S, A)`` of every step of every segment (see the module docstring); equal to
     stepping each segment through ``A3Clstm.forward`` from its initial state, gradients included (tested).
 
-    With ``batch.acts`` (``--replay-activations``) the convolutions do not run again: the features are the ones
-    the predictor computed, and the conv gradients come from its saved activations (``model._Replay``, as an
-    A3G worker's update). They are then the gradients at the weights that acted on each frame, up to the policy
-    lag; with no lag, exactly those of a fresh forward (tested)."""
+    The conv features come from ``conv_features``: the replayed frames' (``batch.replay``) from the activations
+    the predictor saved, the others' from the encoder run again. The LSTM and the heads always run with
+    ``model``'s weights. When every replayed frame was acted on by ``model``'s weights (``assemble`` with the
+    trainer's version) this is the gradient at ``model``'s weights (tested, with and without policy lag)."""
     index = flat_index(batch.lengths)
-    if batch.acts is None:
-        feats = model.features(batch.frames)
-    else:  # the conv features the predictor computed; backward runs the conv blocks' backward from its activations
-        convs = model.convs()
-        feats = _Replay.apply(conv_blocks(batch.acts), convs, *[p for c in convs for p in (c.weight, c.bias)])
+    feats = conv_features(model, batch)
     x = padded(feats, batch.lengths, index)  # (B, T, 1024)
     lstm = model.lstm
     out, _, _ = torch.lstm(x, (batch.hx.unsqueeze(0), batch.cx.unsqueeze(0)),
@@ -157,10 +197,13 @@ class Trainer:
         return self.counters.version if self.counters is not None else self.updates
 
     def update(self, segments: list[Segment]) -> UpdateResult:
-        """One optimizer step on the shared model from ``segments``."""
-        version = self.version()
-        sync_weights(self.model, self.shared)
-        batch = assemble(segments, self.device)
+        """One optimizer step on the shared model from ``segments``: the gradient at the shared weights copied at
+        the start (saved activations replayed only for the frames those weights acted on, see the module
+        docstring), handed over and stepped under ``step_lock``, where the version then moves."""
+        with self.step_lock:  # no other trainer's step between reading the version and copying its weights
+            version = self.version()
+            sync_weights(self.model, self.shared)
+        batch = assemble(segments, self.device, version=version)
         loss, w = batch_loss(self.model, batch, self.settings)
         params = [p for p, _ in self.handoff.pairs]
         self.model.zero_grad(set_to_none=True)
@@ -169,19 +212,20 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
         else:
             grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        lags = version - batch.versions
+        lag = lags.to(torch.float64)
+        result = UpdateResult(loss, grad_norm, batch.num_steps, batch.num_segments, float(lag.mean()),
+                              int(lag.max()), None if w is None else float(w.mean()))
+        n = result.steps
+        per_step = dict(policy=loss.policy.item() / n, value=loss.value.item() / n, entropy=loss.entropy.item() / n)
         with self.step_lock:
             self.handoff()
             self.optimizer.step()
-        self.updates += 1
-        lag = (version - batch.versions).to(torch.float64)
-        result = UpdateResult(loss, grad_norm, batch.num_steps, batch.num_segments, float(lag.mean()),
-                              int(lag.max()), None if w is None else float(w.mean()))
-        if self.counters is not None:
-            n = result.steps
-            self.counters.record_update(self.index, steps=n, segments=result.segments, lag_mean=result.lag_mean,
-                                        lag_max=result.lag_max, policy=loss.policy.item() / n,
-                                        value=loss.value.item() / n, entropy=loss.entropy.item() / n,
-                                        grad_norm=grad_norm, lags=version - batch.versions)
+            self.updates += 1
+            if self.counters is not None:  # the version moves with the weights (see the module docstring)
+                self.counters.record_update(self.index, steps=n, segments=result.segments,
+                                            lag_mean=result.lag_mean, lag_max=result.lag_max, grad_norm=grad_norm,
+                                            lags=lags, **per_step)
         return result
 
     def run(self, source: "queue.Queue[Segment]", stop, max_updates: int | None = None,

@@ -3,6 +3,7 @@
 bootstrapped with 0, a truncated one with V) equals the sum of the per-segment gradients of ``A3Clstm.forward``
 + ``losses.a3c_loss``, with and without importance weights; the whole update through a channels-last working copy
 and the shared fused Adam equals torch's Adam on that summed gradient; the policy lag is measured."""
+import dataclasses
 import math
 
 import pytest
@@ -116,7 +117,7 @@ def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip):
     ref_total, ref_grads = per_segment_reference(ref, segments, is_clip)
     fast = A3Clstm(1, A, H).channels_last()
     fast.load_state_dict(ref.state_dict())
-    batch = assemble(segments)
+    batch = assemble(segments, version=None)
     assert batch.lengths.tolist() == LENGTHS and batch.bootstrap[1] == 0.0 and batch.num_steps == sum(LENGTHS)
     loss, w = batch_loss(fast, batch, Ga3cSettings(is_clip=is_clip, **KW))
     loss.total.backward()
@@ -146,9 +147,10 @@ def test_replayed_activations_give_the_fresh_gradient_when_the_weights_did_not_m
     k = 0
     for s in segments:
         s.acts = [cat_rows([r[i] for r in rows[k: k + len(s)]]) for i in range(len(ACT_FIELDS))]
+        s.versions.fill_(3)  # acted on by version 3, the one that trains
         k += len(s)
-    batch = assemble(segments)
-    assert batch.acts is not None and batch.acts[0].shape[0] == sum(LENGTHS)
+    batch = assemble(segments, version=3)
+    assert batch.acts is not None and batch.acts[0].shape[0] == sum(LENGTHS) and bool(batch.replay.all())
     for conv in fast.convs():
         monkeypatch.setattr(conv, "forward", lambda *a: pytest.fail("a convolution ran forward in the update"))
     loss, _ = batch_loss(fast, batch, Ga3cSettings(is_clip=is_clip, **KW))
@@ -158,11 +160,95 @@ def test_replayed_activations_give_the_fresh_gradient_when_the_weights_did_not_m
         assert close(p.grad, g), name
 
 
+def saved_activations(model, segments):
+    """Each frame's conv activations from one batched forward of ``model`` over every frame (a predictor's), as
+    per-frame ``ACT_FIELDS`` rows in flat order."""
+    frames = torch.cat([s.frames for s in segments])
+    cache = ActivationCache()
+    with torch.no_grad():
+        model.features(frames, cache)
+    return [activation_rows(cache, j) for j in range(frames.shape[0])]
+
+
+def test_only_the_frames_acted_on_by_the_trainers_version_replay_their_activations(monkeypatch):
+    """The trainer holds version 5. Frames of version 5 carry the activations of its weights; the others those of
+    other weights (a lagging predictor's). The update replays exactly the version-5 frames (whole segments and the
+    newest steps of others), runs the encoder once on the 6 others, puts both back in flat order, and its gradient
+    equals the per-segment reference at the trainer's weights. Replaying every frame is far off."""
+    torch.manual_seed(0)
+    ref = A3Clstm(1, A, H)
+    segments = random_segments(LENGTHS, ENDS)  # 5, 2, 5, 3 steps
+    for s, v in zip(segments, ([5] * 5, [4, 4], [3, 4, 5, 5, 5], [4, 4, 5])):
+        s.versions = torch.tensor(v)
+    ref_total, ref_grads = per_segment_reference(ref, segments, None)
+    shared = A3Clstm(1, A, H)
+    shared.load_state_dict(ref.state_dict())
+    acting = A3Clstm(1, A, H).channels_last()  # the weights of versions 3 and 4
+    now = A3Clstm(1, A, H).channels_last()
+    now.load_state_dict(ref.state_dict())
+    old_rows, now_rows = saved_activations(acting, segments), saved_activations(now, segments)
+    k = 0
+    for s in segments:
+        rows = [(now_rows if int(v) == 5 else old_rows)[k + i] for i, v in enumerate(s.versions)]
+        s.acts = [cat_rows([r[i] for r in rows]) for i in range(len(ACT_FIELDS))]
+        k += len(s)
+    counters = Ga3cCounters(1, 1, 1)
+    counters.updates[1] = 5  # the base slot: version 5
+    trainer = Trainer(shared, torch.optim.SGD(shared.parameters(), lr=0.0), Ga3cSettings(**KW), counters=counters)
+    encoded = []
+    features = trainer.model.features
+    monkeypatch.setattr(trainer.model, "features", lambda x, cache=None: encoded.append(x.shape[0]) or features(x))
+    result = trainer.update(segments)
+    assert encoded == [6] and result.lag_max == 2
+    assert result.loss.total.item() == pytest.approx(ref_total, rel=1e-4)
+    for (name, p), g in zip(trainer.model.named_parameters(), ref_grads):
+        assert close(p.grad, g), name
+    mixed = A3Clstm(1, A, H).channels_last()
+    mixed.load_state_dict(ref.state_dict())
+    batch_loss(mixed, assemble(segments, version=None), Ga3cSettings(**KW))[0].total.backward()
+    assert not close(mixed.conv2.weight.grad, ref_grads[2], rel=1e-2)
+
+
+def test_bf16_activations_of_lagging_segments_are_not_replayed():
+    """--precision bf16: segments acted on with bf16 convolutions and saving bf16 activations, then two real Adam
+    updates; the trainer's gradient on them is the one of a second bf16 forward at its weights (the same
+    computation: equal to float32 rounding), not the replay of the bf16 activations (about 1% off here)."""
+    torch.manual_seed(3)
+    shared = A3Clstm(1, A, H)
+    shared.share_memory()
+    settings = Ga3cSettings(compute_precision="bf16", **KW)
+    counters = Ga3cCounters(1, 1, 1)
+    trainer = Trainer(shared, make_optimizer("Adam", shared.parameters(), 1e-3), settings, counters=counters)
+    acting = A3Clstm(1, A, H).channels_last().set_precision(torch.bfloat16)
+    acting.load_state_dict(shared.state_dict())
+    segments = random_segments(LENGTHS, ENDS, seed=4)
+    rows, k = saved_activations(acting, segments), 0
+    for s in segments:
+        s.acts = [cat_rows([r[i] for r in rows[k: k + len(s)]]) for i in range(len(ACT_FIELDS))]
+        s.versions.fill_(0)
+        k += len(s)
+    assert segments[0].acts[ACT_FIELDS.index("output2")].dtype == torch.bfloat16
+    for u in range(2):
+        trainer.update(random_segments(LENGTHS, ENDS, seed=20 + u))
+    current = A3Clstm(1, A, H).channels_last().set_precision(torch.bfloat16)
+    current.load_state_dict(shared.state_dict())
+    result = trainer.update(segments)
+    assert result.lag_max == 2 and result.lag_mean == 2
+    fresh = [dataclasses.replace(s, acts=None) for s in segments]
+    batch_loss(current, assemble(fresh, version=None), settings)[0].total.backward()
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), current.named_parameters()):
+        assert close(p.grad, q.grad, rel=1e-6), name
+    mixed = A3Clstm(1, A, H).channels_last().set_precision(torch.bfloat16)
+    mixed.load_state_dict(current.state_dict())
+    batch_loss(mixed, assemble(segments, version=None), settings)[0].total.backward()
+    assert not close(mixed.conv2.weight.grad, current.conv2.weight.grad, rel=1e-3)
+
+
 def test_batched_unroll_equals_stepwise_forward():
     torch.manual_seed(1)
     model = A3Clstm(1, A, H)
     segments = random_segments([4, 1, 3], ["cut", "term", "trunc"], seed=3)
-    values, logits = batched_unroll(model, assemble(segments))
+    values, logits = batched_unroll(model, assemble(segments, version=None))
     k = 0
     with torch.no_grad():
         for s in segments:
