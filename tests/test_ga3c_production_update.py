@@ -15,8 +15,13 @@ batch's segments, optionally clipped, then ``torch.optim`` with ``foreach=False`
 
 The batches are made with no policy lag (the segments open when an update lands are dropped), so the frames' conv
 activations saved at acting time are exactly those of the current weights; the lag itself is covered in
-test_ga3c_trainer.py. This test fails when the fused Adam is handed the working copy's channels-last conv
-gradients unconverted (conv2-conv4 off by about lr after one step).
+test_ga3c_trainer.py. With no lag every importance weight of ``--is-clip`` is about 1, so the ``--is-clip`` cases
+make the behaviour probabilities differ from the current policy: their recorded ``mu`` is scaled by factors
+between 0.5 and 2, and without ``--replay-activations`` (where the trainer runs the convolutions again) the
+segments open at an update are kept, so later batches hold steps acted by older weights as well. There the
+weights must be far from 1, the trainer's mean weight the reference's, and the handed-off gradient the
+reference's weighted one, far from the unweighted one. This test fails when the fused Adam is handed the working
+copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr after one step).
 """
 import pytest
 import torch
@@ -31,6 +36,23 @@ from model import A3Clstm
 from shared_optim import make_optimizer
 
 UPDATES = 3
+
+
+@torch.no_grad()
+def reference_importance_weights(model, segments, is_clip):
+    """``min(pi(a)/mu(a), is_clip)`` of every step, ``pi`` from upstream's batch-1 forward of ``model``."""
+    weights = []
+    for s in segments:
+        hx, cx = s.state
+        for i in range(len(s)):
+            _, logits, (hx, cx) = model(s.frames[i: i + 1], (hx, cx))
+            pi = torch.softmax(logits, 1)[0, s.actions[i]]
+            weights.append(torch.clamp(pi / s.mu[i], max=is_clip))
+    return torch.stack(weights)
+
+
+def relative_difference(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
 def reference_optimizer(name, params, lr, amsgrad):
@@ -94,6 +116,8 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
         initial = A3Clstm(1, n, args.hidden_size)
         initial.load_state_dict(shared_model.state_dict())
 
+        g = torch.Generator().manual_seed(11)
+        lagged = settings.is_clip is not None and not settings.replay_activations
         for u in range(UPDATES):
             batch = []
             for _ in range(500):
@@ -105,22 +129,41 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
                     break
             assert len(batch) == settings.train_batch, "the predictor closed no segments"
             assert all(seg.acts is not None for seg in batch) == settings.replay_activations
+            if settings.is_clip is not None:  # behaviour probabilities off the current policy (see the docstring)
+                for seg in batch:
+                    seg.mu = (seg.mu * (0.5 + 1.5 * torch.rand(len(seg), generator=g))).clamp(max=1.0)
+                weights = reference_importance_weights(ref_model, batch, settings.is_clip)
+                assert (weights - 1).abs().max() > 0.2, f"update {u}: every importance weight is about 1"
             result = trainer.update(batch)
-            assert result.lag_max == 0 and result.steps == sum(len(seg) for seg in batch)
-            # no policy lag in the next batch: drop what was acted on with the old weights
-            server.open_segments.clear()
-            while not server.segments.empty():
-                server.segments.get_nowait()
+            assert result.steps == sum(len(seg) for seg in batch)
+            assert result.lag_max >= 1 if lagged and u > 0 else result.lag_max == 0
+            if settings.is_clip is not None:
+                assert result.weight_mean == pytest.approx(weights.mean().item(), rel=1e-4)
+            if not lagged:  # no policy lag in the next batch: drop what was acted on with the old weights
+                server.open_segments.clear()
+                while not server.segments.empty():
+                    server.segments.get_nowait()
 
             segments_reference_backward(ref_model, batch, is_clip=settings.is_clip, gamma=settings.gamma,
                                         tau=settings.tau, entropy_coef=settings.entropy_coef,
                                         value_coef=settings.value_coef)
+            if settings.is_clip is not None:  # the weights change the gradient by far more than float rounding
+                unweighted = A3Clstm(1, n, args.hidden_size)
+                unweighted.load_state_dict(ref_model.state_dict())
+                segments_reference_backward(unweighted, batch, is_clip=None, gamma=settings.gamma, tau=settings.tau,
+                                            entropy_coef=settings.entropy_coef, value_coef=settings.value_coef)
+                change = max(relative_difference(p.grad, q.grad)
+                             for p, q in zip(unweighted.parameters(), ref_params))
+                assert change > 0.05, f"update {u}: the importance weights change the gradient by {change:.2g}"
             if settings.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(ref_params, settings.max_grad_norm)
             ref_opt.step()
 
             for key, sp, rp in zip(names, shared_model.parameters(), ref_params):
                 assert sp.grad is not None and sp.grad.stride() == sp.stride(), f"update {u}: {key} grad layout"
+                if settings.is_clip is not None:  # the handed-off gradient is the reference's weighted one
+                    diff = relative_difference(sp.grad, rp.grad)
+                    assert diff <= 1e-3, f"update {u}: {key}'s gradient differs from the reference's by {diff:.2g}"
                 diff = (sp.detach() - rp.detach()).abs().max().item()
                 # float32 rounding of two different gradient computations: ~1e-6; a wrong update: ~lr
                 assert diff <= 1e-2 * args.lr, f"update {u}: {key} differs from the reference by {diff:.3g}"
