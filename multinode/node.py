@@ -191,7 +191,7 @@ class HogwildNode:
                 "sync_seconds": self.sync_seconds, "steps": self.run.global_steps.value}
 
     def stop(self) -> dict:
-        """Stop the workers (``main.shutdown``), then make a last sync so that their last updates count."""
+        """Stop the workers (``a3g.run.shutdown``), then make a last sync so that their last updates count."""
         from a3g.run import shutdown
         self._halt.set()
         self._thread.join(timeout=CALL_TIMEOUT + 5)
