@@ -110,10 +110,39 @@ def test_gpu_request_without_cuda_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------- GA3C mode
+def close(a, b, device):
+    """Equal up to the rounding of another device: convolutions on CUDA use TF32 by default (about 1e-3 of the
+    largest entry); on the CPU only the summation order differs (channels-last against contiguous)."""
+    rel = 1e-4 if torch.device(device).type == "cpu" else 1e-2
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return bool((a - b).abs().max() <= rel * b.abs().max() + 1e-6)
+
+
+def with_activations(model, segments):
+    """The segments, each carrying the conv activations ``model`` computes for its frames (what a predictor saves
+    with ``--replay-activations``, the default)."""
+    from ga3c.segment import ACT_FIELDS, activation_rows, cat_rows
+    from model import ActivationCache
+
+    for s in segments:
+        cache = ActivationCache()
+        with torch.no_grad():
+            model.features(s.frames, cache)
+        rows = [activation_rows(cache, j) for j in range(len(s))]
+        s.acts = [cat_rows([r[i] for r in rows]) for i in range(len(ACT_FIELDS))]
+    return segments
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["conv-forward", "replayed-activations"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
-def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device):
+def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device, replay):
     """GA3C: a trainer on ``device`` copies the CPU shared weights, computes the batch's gradient there and hands
-    it to the CPU shared Adam; the shared weights after each update equal a CPU trainer's on the same batches."""
+    it to the CPU shared Adam; the shared weights after each update equal a CPU trainer's on the same batches.
+    ``replay``: the segments carry the conv activations a predictor saved (the default path), which the batch
+    takes to the trainer's device; in the first update, made with the weights that computed them, the gradient
+    handed over equals that of running the convolutions again."""
+    import dataclasses
+
     from ga3c.settings import Ga3cSettings
     from ga3c.trainer import Trainer
     from model import A3Clstm
@@ -121,45 +150,86 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
 
     torch.manual_seed(0)
     weights = A3Clstm(1, 6, 32).state_dict()
-    results = []
-    for dev in ("cpu", device):
+    batches = [random_segments([5, 3], ["cut", "term"], seed=seed) for seed in range(3)]
+    if replay:
+        acting = A3Clstm(1, 6, 32).channels_last()
+        acting.load_state_dict(weights)
+        batches = [with_activations(acting, segments) for segments in batches]
+
+    def train(dev, batches):
         shared = A3Clstm(1, 6, 32)
         shared.load_state_dict(weights)
         shared.share_memory()
         opt = RecordingSharedAdam(shared.parameters(), lr=1e-3)
         trainer = Trainer(shared, opt, Ga3cSettings(num_steps=5, train_batch=2), device=dev)
-        for seed in range(3):
-            trainer.update(random_segments([5, 3], ["cut", "term"], seed=seed))
+        for segments in batches:
+            trainer.update(segments)
         assert all(p.device.type == "cpu" and p.is_shared() for p in shared.parameters())
         assert all(d.type == "cpu" and same_layout for step in opt.applied for _, d, same_layout in step)
-        results.append(opt.after)
-    for cpu_step, dev_step in zip(*results):
+        return opt
+
+    cpu, dev = train("cpu", batches), train(device, batches)
+    for cpu_step, dev_step in zip(cpu.after, dev.after):
         for a, b in zip(cpu_step, dev_step):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    if replay:
+        assert all(s.acts is not None for segments in batches for s in segments)
+        fresh = train("cpu", [[dataclasses.replace(s, acts=None) for s in batches[0]]])
+        for i, ((replayed, _, _), (ran, _, _)) in enumerate(zip(dev.applied[0], fresh.applied[0])):
+            assert close(replayed, ran, device), f"parameter {i}: the replayed gradient is not the fresh one"
 
 
-@cuda
-def test_a_ga3c_predictor_on_the_gpu_acts_as_on_the_cpu():
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_a_ga3c_predictor_on_its_device_acts_and_saves_activations_as_the_cpu_model(device):
+    """A predictor on ``device`` with a private channels-last copy (as the server builds it) answers as the shared
+    model stepping each slot alone on the CPU; with ``save_activations`` (the default ``--replay-activations``)
+    its segments carry, on its device, each frame's conv activations: the block inputs and outputs that model
+    computes, and max-pool indices that pick a maximum of each window."""
+    import torch.nn.functional as F
+
     from ga3c.buffers import EnvSlots
     from ga3c.predictor import Predictor, SlotStates
-    from model import A3Clstm
+    from ga3c.segment import conv_blocks
+    from model import A3Clstm, ActivationCache
 
     torch.manual_seed(0)
     shared = A3Clstm(1, 6, 32)
-    outs = []
-    for dev in ("cpu", "cuda:0"):
-        buffers = EnvSlots(3)
-        pred = Predictor(A3Clstm(1, 6, 32).to(dev), buffers, range(3), SlotStates(3, 32, dev), num_steps=5,
-                         predict_batch=3, device=dev, source=shared, greedy=True)
-        steps = []
-        for t in range(4):
-            for s in range(3):
-                buffers.submit(s, torch.full((1, 80, 80), 0.1 * (t + s)), episode_start=t == 0)
-            batch = pred.step()
-            steps.append((batch.values.cpu(), batch.logits.cpu(), buffers.action.clone()))
-        outs.append(steps)
-    for (v1, l1, a1), (v2, l2, a2) in zip(*outs):
-        assert torch.allclose(v1, v2, atol=1e-4) and torch.allclose(l1, l2, atol=1e-4) and torch.equal(a1, a2)
+    n, num_steps = 3, 4
+    buffers, segments = EnvSlots(n), []
+    private = A3Clstm(1, 6, 32).channels_last().to(device).eval()
+    pred = Predictor(private, buffers, range(n), SlotStates(n, 32, device), num_steps=num_steps, predict_batch=n,
+                     device=device, source=shared, greedy=True, sink=segments.append, save_activations=True)
+    g = torch.Generator().manual_seed(1)
+    ref = {s: shared.initial_state() for s in range(n)}
+    for t in range(num_steps + 1):  # the last requests carry the outcomes that close the segments
+        frames = {s: torch.rand(1, 80, 80, generator=g) for s in range(n)}  # random: no ties in the max-pools
+        for s in range(n):
+            buffers.submit(s, frames[s], episode_start=t == 0, reward=0.25 * s)
+        batch = pred.step()
+        assert batch.slots.tolist() == list(range(n))
+        for j, s in enumerate(batch.slots.tolist()):
+            with torch.no_grad():
+                v, lg, ref[s] = shared(frames[s].unsqueeze(0), ref[s])
+            assert close(batch.values[j], v.view(()), device) and close(batch.logits[j], lg[0], device)
+            action = int(buffers.action[s])
+            assert lg[0, action] >= lg.max() - 1e-2 * lg.abs().max()  # greedy (up to a near-tie)
+    assert sorted(seg.slot for seg in segments) == list(range(n))
+    convs = shared.convs()
+    for seg in segments:
+        assert len(seg) == num_steps and seg.acts is not None
+        assert all(a.device.type == torch.device(device).type for a in seg.acts)
+        assert torch.equal(seg.acts[0].cpu(), seg.frames)  # the first block's input is the frame
+        cache = ActivationCache()
+        with torch.no_grad():
+            shared.features(seg.frames, cache)
+        (want,) = cache.steps
+        for k, ((x, indices, out), (_, _, want_out)) in enumerate(zip(conv_blocks(seg.acts), want)):
+            assert close(out, want_out, device), f"block {k}: output"
+            with torch.no_grad():
+                pre = convs[k](x.float().cpu())  # the block's conv output on the CPU, from the saved input
+            picked = pre.flatten(2).gather(2, indices.cpu().flatten(2)).view_as(out)
+            assert close(F.relu(picked), F.relu(F.max_pool2d(pre, 2, 2)), device), f"block {k}: max-pool indices"
+            assert close(F.relu(picked), out, device), f"block {k}: output and indices disagree"
 
 
 @cuda
