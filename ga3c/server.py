@@ -20,7 +20,10 @@ on the CPU, as A3G workers do, and predictors copy the weights to their device.
 
 ``set_counts(trainers, predictors)`` (``--dynamic``) starts or retires trainer threads, and replaces the
 predictor threads by a new set when their number changes (the new ones take over the open segments and the
-per-slot LSTM states, so no env slot loses its episode).
+per-slot LSTM states, so no env slot loses its episode). The new set starts only once every old predictor has
+ended: two predictors recording one slot's steps into its open segment would put steps in twice and rewards on
+the wrong steps. So a retiring predictor never waits on a full segment queue (its sink, ``segment_sink``, drops
+what does not fit then), and one that still has not ended after the timeout halts the server.
 """
 from __future__ import annotations
 
@@ -39,6 +42,21 @@ from ga3c.trainer import Trainer
 from model import A3Clstm
 from precision import compute_dtype
 from run_state import AnyOf
+
+
+def segment_sink(q: "queue.Queue", flag):
+    """A predictor's ``sink``: puts each closed segment on ``q``, waiting while it is full (back-pressure from
+    the trainers) but never once ``flag`` is set (the run's stop, the server's halt or this predictor's
+    retirement): then a segment that does not fit at once is dropped, so that the predictor ends its step."""
+    wait = queue_sink(q, flag)
+
+    def put(segment) -> None:
+        try:
+            q.put_nowait(segment)
+        except queue.Full:
+            wait(segment)
+
+    return put
 
 
 def ga3c_devices(gpu_ids: list[int]) -> tuple[list[torch.device], list[torch.device]]:
@@ -102,17 +120,19 @@ class Server:
         return self._private_models[p], self.shared_model
 
     def _build_predictors(self, n: int) -> None:
-        sink = queue_sink(self.segments, AnyOf(self.stop, self.halt))
-        self.predictors = []
+        self.predictors, self._predictor_retire = [], []
         for p in range(n):
             device = self.predictor_devices[p % len(self.predictor_devices)]
             model, source = self._predictor_model(p, device)
+            retire = threading.Event()  # the thread's own flag (``_start``), which its sink obeys as well
+            sink = segment_sink(self.segments, AnyOf(self.stop, self.halt, retire))
             self.predictors.append(Predictor(
                 model, self.buffers, range(p, self.buffers.num_slots, n), self.states,
                 num_steps=self.settings.num_steps, predict_batch=self.settings.predict_batch,
                 counters=self.counters, index=p, sink=sink, device=device, source=source, seed=self.seed + p,
                 open_segments=self.open_segments, sync_every=self.sync_every,
                 save_activations=self.settings.replay_activations))
+            self._predictor_retire.append(retire)
 
     def _add_trainer(self) -> Trainer:
         t = len(self.trainers)
@@ -129,8 +149,9 @@ class Server:
             self.failures.append((role, traceback.format_exc()))
             self.halt.set()
 
-    def _start(self, role: str, fn) -> tuple[threading.Event, threading.Thread]:
-        retire = threading.Event()
+    def _start(self, role: str, fn, retire: threading.Event | None = None
+               ) -> tuple[threading.Event, threading.Thread]:
+        retire = threading.Event() if retire is None else retire
         th = threading.Thread(target=self._guard, args=(role, lambda: fn(AnyOf(self.stop, self.halt, retire))),
                               name=f"ga3c {role}", daemon=True)
         th.start()
@@ -138,8 +159,8 @@ class Server:
         return retire, th
 
     def _start_predictors(self) -> None:
-        self._predictor_threads = [self._start(f"predictor {i}", lambda s, p=p: p.run(s))
-                                   for i, p in enumerate(self.predictors)]
+        self._predictor_threads = [self._start(f"predictor {i}", lambda s, p=p: p.run(s), retire)
+                                   for i, (p, retire) in enumerate(zip(self.predictors, self._predictor_retire))]
 
     def _start_trainer(self, i: int) -> None:
         t = self.trainers[i]
@@ -163,7 +184,10 @@ class Server:
         return len(self._trainer_threads), len(self._predictor_threads)
 
     def set_counts(self, trainers: int, predictors: int, timeout: float = 10.0) -> None:
-        """Run ``trainers`` trainer and ``predictors`` predictor threads from now on (see the module docstring)."""
+        """Run ``trainers`` trainer and ``predictors`` predictor threads from now on (see the module docstring).
+
+        A retired predictor that has not ended within ``timeout`` seconds is a failure: the server halts rather
+        than start a new set beside it."""
         while len(self._trainer_threads) > trainers:  # retire the newest; its partial batch is dropped
             retire, th = self._trainer_threads.pop()
             retire.set()
@@ -176,8 +200,16 @@ class Server:
         if predictors != len(self._predictor_threads):
             for retire, _ in self._predictor_threads:
                 retire.set()
+            deadline = time.monotonic() + timeout
             for _, th in self._predictor_threads:
-                th.join(timeout)
+                th.join(max(0.0, deadline - time.monotonic()))
+            stuck = [th.name for _, th in self._predictor_threads if th.is_alive()]
+            if stuck:
+                self.failures.append((stuck[0].removeprefix("ga3c "),
+                                      f"{', '.join(stuck)}: still running {timeout:g} s after being retired "
+                                      f"(--dynamic); no new predictors were started beside it\n"))
+                self.halt.set()
+                return
             self._build_predictors(predictors)
             self._start_predictors()
         self._publish()

@@ -1,9 +1,11 @@
 """``--dynamic``: the adjuster's rule and bounds (pure), the policy-lag histogram, and a server that changes its
 numbers of trainer and predictor threads while agents run, losing no env slot's episode."""
+import queue
 import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,3 +135,108 @@ def test_the_server_changes_its_thread_counts_while_agents_run(env_config):
     assert not agent.is_alive() and server.failures == []
     steps, preds = counters.steps, counters.total_predictions
     assert steps <= preds <= steps + n_envs
+
+
+class CountingEnv:
+    """One endless episode whose frames carry the step count t, and whose reward for the action at t is
+    ``reward_at(t)``: a segment's rewards must line up with its frames."""
+
+    def reset(self, seed=None):
+        self.t = 0
+        return self._obs(), {}
+
+    def _obs(self):
+        obs = np.zeros((1, 80, 80), np.float32)
+        obs[0, 0, 0] = self.t
+        return obs
+
+    def step(self, action):
+        reward = reward_at(self.t)
+        self.t += 1
+        return self._obs(), reward, False, False, {}
+
+    def close(self):
+        pass
+
+
+def reward_at(t: int) -> float:
+    return (t % 7 - 3) / 4
+
+
+def wait_until(condition, what: str, timeout: float = 60.0, hold: float = 0.0) -> None:
+    """Poll until ``condition()`` has held for ``hold`` seconds in a row."""
+    deadline, since = time.monotonic() + timeout, None
+    while True:
+        now = time.monotonic()
+        if not condition():
+            since = None
+        elif since is None:
+            since = now
+        if since is not None and now - since >= hold:
+            return
+        assert now < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.01)
+
+
+def test_a_predictor_retired_while_the_segment_queue_is_full_hands_its_slots_over_cleanly():
+    """``set_counts`` retires the predictors while the one serving slot 0 waits on a full segment queue (the
+    trainers are behind). It must end its step (its closed segment may be dropped) before a new predictor takes
+    the slot's open segment over: two predictors recording into one open segment put steps in twice, out of
+    order, and rewards on other steps than the ones that earned them."""
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6, 32)
+    model.share_memory()
+    settings = Ga3cSettings(num_steps=3, train_batch=1, predict_batch=1, queue_size=1)
+    buffers, counters, stop = EnvSlots(1), Ga3cCounters(1, 2, 1), Flag()
+    server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers, counters, settings, stop,
+                    num_predictors=1, num_trainers=0).start()  # no trainer: the test reads the queue itself
+    agent = threading.Thread(target=run_agent, args=(0, [0], buffers, lambda slot: CountingEnv(), stop),
+                             kwargs={"counters": counters})
+    agent.start()
+    segments = []
+    try:
+        # the queue is full and slot 0's request waits: its predictor is stuck putting a closed segment
+        wait_until(lambda: server.segments.full() and buffers.waiting(torch.tensor([0])).numel() == 1,
+                   "predictor waiting on the full queue", hold=0.3)
+        server.set_counts(0, 2, timeout=0.5)
+        assert not server.failures, server.failures
+        # the new predictor of slot 0 serves two requests while the queue is still full
+        wait_until(lambda: server.predictors[0].predictions >= 2, "new predictor serving slot 0")
+        while len(segments) < 8:
+            try:
+                segments.append(server.segments.get(timeout=10))
+            except queue.Empty:
+                pytest.fail(f"no segment for 10 s after {len(segments)}; failures: {server.failures}")
+    finally:
+        stop.set()
+        assert server.join(10)
+        agent.join(10)
+    assert not agent.is_alive() and server.failures == []
+    seen = set()
+    for seg in segments:
+        ts = seg.frames[:, 0, 0, 0].long().tolist()
+        assert len(ts) <= settings.num_steps and ts == list(range(ts[0], ts[0] + len(ts))), ts
+        assert seg.rewards.tolist() == [reward_at(t) for t in ts], (ts, seg.rewards.tolist())
+        assert not seen & set(ts), f"steps {sorted(seen & set(ts))} in two segments"
+        seen |= set(ts)
+
+
+def test_a_predictor_that_does_not_end_when_retired_halts_the_server_instead_of_getting_company():
+    """A retired predictor still running after the timeout (a step stuck somewhere) would share its slots with its
+    replacement: the server records the failure and halts, and starts no new predictor."""
+    model = A3Clstm(1, 6, 32)
+    buffers, counters, stop, release = EnvSlots(2), Ga3cCounters(1, 2, 1), Flag(), threading.Event()
+    server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers, counters, Ga3cSettings(), stop,
+                    num_predictors=1, num_trainers=0)
+    old = server.predictors
+    old[0].run = lambda flag: release.wait(30)  # deaf to its flag
+    server.start()
+    try:
+        server.set_counts(0, 2, timeout=0.2)
+        assert server.halt.is_set() and server.predictors == old and server.counts == (0, 1)
+        assert [role for role, _ in server.failures] == ["predictor 0"], server.failures
+        assert "still running 0.2 s after being retired" in server.failures[0][1]
+    finally:
+        release.set()
+        stop.set()
+        assert server.join(10)
