@@ -248,6 +248,13 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     error here) is reported in ``run.errors[slot]`` and the process exits with code 1.
     """
     from utils import describe_failure, setup_child_process, use_device
+    # One torch thread for each predictor and trainer thread, on purpose, also on a many-core CPU: GA3C's
+    # parallelism is its threads and processes. The --agents processes (one per core by default) and the
+    # --predictors and --trainers threads here already ask for every core; an intra-op pool on top would give
+    # each of these threads its own team of one thread per core (OpenMP starts a team for every thread that
+    # enters a parallel region), oversubscribing the cores that the agents step on. More cores are used by more
+    # agents, predictors and trainers (--dynamic searches those numbers), not by wider ops. On a GPU the work is
+    # the device's and these threads only launch it. (Not measured on a many-core machine.)
     setup_child_process("ga3c server")
     try:
         use_device(ga3c_devices(args.gpu_ids)[0][0])
