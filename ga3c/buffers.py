@@ -11,17 +11,32 @@ left locked: every field has one writer, and readers poll sequence counters.
 Protocol for slot ``i`` (one request in flight per slot):
 
 1. The agent writes the request fields (``obs``, the previous action's ``reward``, ``terminated``,
-   ``truncated``, and the ``episode_start`` and ``final`` flags), then *last* ``req_seq[i] += 1``.
-2. A predictor sees ``req_seq[i] != resp_seq[i]``, copies the request, acts, writes ``action``, ``mu`` (the
-   behaviour probability of that action) and ``version`` (the model's update count), then *last* sets
-   ``resp_seq[i] = req_seq``.
-3. The agent sees ``resp_seq[i] == req_seq[i]`` and reads the action. It writes nothing in slot ``i`` between
-   1 and 3, so the predictor's copy is never torn.
+   ``truncated``, and the ``episode_start`` and ``final`` flags), then a release fence, then *last*
+   ``req_seq[i] += 1``.
+2. A predictor sees ``req_seq[i] != resp_seq[i]``; after an acquire fence it copies the request, acts, writes
+   ``action``, ``mu`` (the behaviour probability of that action) and ``version`` (the version of the weights
+   that acted), then a release fence, then *last* sets ``resp_seq[i] = req_seq``.
+3. The agent sees ``resp_seq[i] == req_seq[i]`` and, after an acquire fence, reads the action. It writes nothing
+   in slot ``i`` between 1 and 3, so the predictor's copy is never torn.
 
 Writers: the agent owns ``obs``, ``reward``, ``terminated``, ``truncated``, ``episode_start``, ``final``,
-``req_seq`` and ``norm_stats``; the predictor owns ``action``, ``mu``, ``version`` and ``resp_seq``. The counters
-are aligned int64 stores, atomic on x86-64, and each is written after its payload (x86-64 keeps stores in order;
-every store here is a separate call into torch, which the Python interpreter does not reorder).
+``req_seq`` and ``norm_stats``; the predictor owns ``action``, ``mu``, ``version`` and ``resp_seq``.
+
+Memory order. Program order alone is not enough: every store here is a separate call into torch, which neither
+the interpreter nor the compiler reorders, but a weakly ordered CPU (aarch64, POWER) may make a process's stores
+visible to another core in another order, and satisfy its loads out of order; a predictor could then read a
+new ``req_seq`` with a torn or old observation. The fences (``fence``: C11 ``atomic_thread_fence`` from
+libatomic, through ctypes, about 0.3 us a call) forbid that: a release fence keeps every earlier load and store
+before the counter store that follows it, an acquire fence every later load and store after the counter load
+that precedes it. Reading ``action``, ``mu`` or ``version`` (properties) issues the agent's acquire fence, so
+the agent's loop needs no call of its own. On x86-64, whose loads and stores are already ordered this way, the
+fences compile to nothing and only the call is paid. The counters themselves are aligned 8-byte stores and
+loads, single-copy atomic on x86-64 and aarch64. Where libatomic cannot be loaded, x86-64 needs nothing and
+runs; any other CPU refuses to build env slots (``ordering_problem`` says why in one line) rather than run
+unordered. Fences, not a refusal of every CPU but x86-64: the protocol stays lock-free and the same on every
+CPU, and costs x86-64 a call. The order of each fence among the loads and stores is tested on any CPU; the
+protocol has not been run on an aarch64 machine. ``norm_stats`` is outside the protocol: statistics that a
+checkpoint reads as they are.
 
 Request meanings:
 
@@ -39,11 +54,46 @@ A dead agent leaves at most an answered request that nobody reads; the predictor
 """
 from __future__ import annotations
 
+import ctypes
+import platform
 import time
 
 import torch
 
 FRAME_SHAPE = (1, 80, 80)
+ACQUIRE, RELEASE = 2, 3  # C11 memory_order_acquire, memory_order_release
+ORDERED_CPUS = ("x86_64", "amd64")  # loads and stores already ordered as the protocol needs (x86-TSO)
+
+
+def _load_thread_fence():
+    """libatomic's ``atomic_thread_fence(memory_order)`` (GCC's runtime, LIBATOMIC_1.2), or None."""
+    try:
+        f = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_int], None
+    return f
+
+
+_thread_fence = _load_thread_fence()
+
+
+def fence(order: int) -> None:
+    """A memory fence of ``order`` (``ACQUIRE`` or ``RELEASE``) between this thread's earlier and later loads and
+    stores (see the module docstring); nothing where libatomic is missing on an ordered CPU."""
+    if _thread_fence is not None:
+        _thread_fence(order)
+
+
+def ordering_problem(machine: str | None = None, have_fence: bool | None = None) -> str | None:
+    """Why env slots cannot be shared safely on this machine, in one line, or None when they can."""
+    machine = platform.machine() if machine is None else machine
+    have_fence = _thread_fence is not None if have_fence is None else have_fence
+    if have_fence or machine.lower() in ORDERED_CPUS:
+        return None
+    return (f"GA3C mode needs memory fences between its processes on this {machine} CPU, and libatomic.so.1 "
+            f"could not be loaded: install GCC's libatomic (e.g. apt-get install libatomic1)")
+
 
 AGENT_FIELDS = ("obs", "reward", "terminated", "truncated", "episode_start", "final", "req_seq", "norm_stats")
 PREDICTOR_FIELDS = ("action", "mu", "version", "resp_seq")
@@ -55,13 +105,17 @@ class EnvSlots:
     ``obs (N, 1, 80, 80) float32``; ``reward (N,) float32`` (clipped); ``terminated``, ``truncated``,
     ``episode_start``, ``final (N,) uint8``; ``req_seq``, ``resp_seq``, ``version``, ``action (N,) int64``;
     ``mu (N,) float32``; ``norm_stats (N, 3) float64``: each slot's frame-normalisation (mean, std, count), for
-    checkpoints and for restoring an agent's normaliser.
+    checkpoints and for restoring an agent's normaliser. ``action``, ``mu`` and ``version`` are read through an
+    acquire fence (see the module docstring); raises ``RuntimeError`` where ``ordering_problem`` finds one.
     """
 
     def __init__(self, num_slots: int, frame_shape: tuple[int, ...] = FRAME_SHAPE,
                  norm_stats: torch.Tensor | None = None):
         if num_slots < 1:
             raise ValueError(f"need at least one env slot, got {num_slots}")
+        problem = ordering_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         n = num_slots
         self.num_slots = n
         self.obs = torch.zeros((n, *frame_shape), dtype=torch.float32)
@@ -73,9 +127,9 @@ class EnvSlots:
         self.req_seq = torch.zeros(n, dtype=torch.int64)
         # A run passes its own rows (``RunState.norm_stats[:n]``, a view of shared memory) so checkpoints see them.
         self.norm_stats = torch.zeros(n, 3, dtype=torch.float64) if norm_stats is None else norm_stats
-        self.action = torch.zeros(n, dtype=torch.int64)
-        self.mu = torch.zeros(n, dtype=torch.float32)
-        self.version = torch.zeros(n, dtype=torch.int64)
+        self._action = torch.zeros(n, dtype=torch.int64)
+        self._mu = torch.zeros(n, dtype=torch.float32)
+        self._version = torch.zeros(n, dtype=torch.int64)
         self.resp_seq = torch.zeros(n, dtype=torch.int64)
         if norm_stats is not None and (tuple(norm_stats.shape) != (n, 3) or not norm_stats.is_shared()):
             raise ValueError(f"norm_stats must be a shared ({n}, 3) tensor")
@@ -83,12 +137,28 @@ class EnvSlots:
             if not getattr(self, name).is_shared():
                 getattr(self, name).share_memory_()
 
+    # ---- the answer, read after an acquire fence -------------------------------------------------------------
+    @property
+    def action(self) -> torch.Tensor:
+        fence(ACQUIRE)
+        return self._action
+
+    @property
+    def mu(self) -> torch.Tensor:
+        fence(ACQUIRE)
+        return self._mu
+
+    @property
+    def version(self) -> torch.Tensor:
+        fence(ACQUIRE)
+        return self._version
+
     # ---- agent side -------------------------------------------------------------------------------------------
     def submit(self, slot: int, obs, *, reward: float = 0.0, terminated: bool = False, truncated: bool = False,
                episode_start: bool = False, final: bool = False) -> int:
         """Write a request for ``slot`` and publish it; returns its sequence number (the response will carry it).
 
-        ``obs`` is a ``(1, 80, 80)`` array or tensor. The sequence counter is written last.
+        ``obs`` is a ``(1, 80, 80)`` array or tensor. The sequence counter is written last, after a release fence.
         """
         self.obs[slot].copy_(torch.as_tensor(obs))
         self.reward[slot] = float(reward)
@@ -97,6 +167,7 @@ class EnvSlots:
         self.episode_start[slot] = int(episode_start)
         self.final[slot] = int(final)
         seq = int(self.req_seq[slot]) + 1
+        fence(RELEASE)
         self.req_seq[slot] = seq
         return seq
 
@@ -110,8 +181,9 @@ class EnvSlots:
         return slots[self.req_seq[slots] != self.resp_seq[slots]]
 
     def read_requests(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy the requests of ``slots`` (their sequence numbers first, the payload after)."""
+        """Copy the requests of ``slots`` (their sequence numbers first, then an acquire fence, then the payload)."""
         seq = self.req_seq[slots].clone()
+        fence(ACQUIRE)
         return {
             "seq": seq,
             "obs": self.obs[slots],  # advanced indexing copies
@@ -124,10 +196,12 @@ class EnvSlots:
 
     def respond(self, slots: torch.Tensor, seqs: torch.Tensor, actions: torch.Tensor, mu: torch.Tensor,
                 version: int) -> None:
-        """Write the answers for ``slots``, then publish them by setting ``resp_seq`` (last)."""
-        self.action[slots] = actions.to(torch.int64).cpu()
-        self.mu[slots] = mu.to(torch.float32).cpu()
-        self.version[slots] = int(version)
+        """Write the answers for ``slots``, then publish them by setting ``resp_seq`` (last, after a release
+        fence)."""
+        self._action[slots] = actions.to(torch.int64).cpu()
+        self._mu[slots] = mu.to(torch.float32).cpu()
+        self._version[slots] = int(version)
+        fence(RELEASE)
         self.resp_seq[slots] = seqs
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 
 from ga3c.agent import agent_process
@@ -94,6 +95,66 @@ def test_requests_and_answers_round_trip_by_sequence_number():
     assert b.delay == 4e-4
     b.reset()
     assert b.delay == 1e-4
+
+
+def test_each_counter_is_published_and_read_across_a_fence(monkeypatch):
+    """The memory-order half of the protocol, checked at each fence (so on any CPU): a release fence after the
+    payload stores and before the counter store (``submit``, ``respond``); an acquire fence after the counter
+    load and before the payload loads (``read_requests``, and the agent's read of its action). A fence that
+    writes new data shows which loads come after it: those see the new data."""
+    import ga3c.buffers as module
+
+    b = EnvSlots(2)
+    seen = []
+    monkeypatch.setattr(module, "fence", lambda order: seen.append((order, hook(order))))
+    frame = np.full((1, 80, 80), 3.0, np.float32)
+
+    def hook(order):  # what the slot holds at the fence
+        return {"obs": float(b.obs[1].mean()), "reward": float(b.reward[1]), "final": int(b.final[1]),
+                "req_seq": int(b.req_seq[1]), "action": int(b._action[1]), "mu": float(b._mu[1]),
+                "version": int(b._version[1]), "resp_seq": int(b.resp_seq[1])}
+
+    assert b.submit(1, frame, reward=-1.0, final=True) == 1
+    assert seen == [(module.RELEASE, {"obs": 3.0, "reward": -1.0, "final": 1, "req_seq": 0, "action": 0, "mu": 0.0,
+                                      "version": 0, "resp_seq": 0})]  # payload in, counter not yet
+
+    def publish_during_fence(order):  # the agent's next request lands at the fence
+        b.obs[1] = 5.0
+        b.req_seq[1] += 1
+        seen.append((order, None))
+    seen.clear()
+    monkeypatch.setattr(module, "fence", publish_during_fence)
+    req = b.read_requests(torch.tensor([1]))
+    assert seen == [(module.ACQUIRE, None)]
+    assert req["seq"].tolist() == [1] and float(req["obs"].mean()) == 5.0  # counter before, payload after
+
+    seen.clear()
+    monkeypatch.setattr(module, "fence", lambda order: seen.append((order, hook(order))))
+    b.respond(torch.tensor([1]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0.5]), version=9)
+    assert [(order, {k: at[k] for k in ("action", "mu", "version", "resp_seq")}) for order, at in seen] == [
+        (module.RELEASE, {"action": 4, "mu": 0.5, "version": 9, "resp_seq": 0})]  # answer in, counter not yet
+
+    def answer_during_fence(order):
+        b._action[1] = 7
+        seen.append((order, None))
+    seen.clear()
+    monkeypatch.setattr(module, "fence", answer_during_fence)
+    assert int(b.action[1]) == 7 and seen == [(module.ACQUIRE, None)]  # the agent's action load comes after
+
+
+def test_the_fence_is_real_here_and_an_unordered_cpu_without_one_is_refused(monkeypatch):
+    import ga3c.buffers as module
+
+    for order in (module.ACQUIRE, module.RELEASE):
+        module.fence(order)
+    assert module.ordering_problem("x86_64", have_fence=False) is None  # already ordered
+    assert module.ordering_problem("aarch64", have_fence=True) is None
+    problem = module.ordering_problem("aarch64", have_fence=False)
+    assert "aarch64" in problem and "libatomic" in problem and "\n" not in problem
+    monkeypatch.setattr(module, "_thread_fence", None)
+    monkeypatch.setattr(module.platform, "machine", lambda: "aarch64")
+    with pytest.raises(RuntimeError, match="needs memory fences"):
+        EnvSlots(1)
 
 
 def test_routing_across_agent_processes_and_a_dead_agent_wedges_nothing():
