@@ -38,6 +38,8 @@ from conftest import ROOT
 
 ENV_ID = "PongNoFrameskip-v4"
 CKPT = f"{ENV_ID}.ckpt"
+DAT = f"{ENV_ID}.dat"
+FINAL = {CKPT, DAT}  # what a run that started its processes writes at its end, whatever ended it
 MARKER_VAR = "A3G_FAULT_TEST"
 HOOKS = Path(__file__).resolve().parent / "fault_hooks"
 START_SECONDS = 150.0  # start-up on a busy 2-core machine: torch import, ALE, three spawned processes
@@ -239,10 +241,12 @@ def temp_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmp" in p.name) if folder.is_dir() else []
 
 
-def load_saved(folder: Path) -> dict[str, dict]:
+def load_saved(folder: Path, *, may_be_empty: bool = False) -> dict[str, dict]:
     """Load every ``.ckpt`` and ``.dat`` in ``folder`` as the project does, and check the model inside.
 
-    Returns {file name: loaded object}. Fails naming the file when one does not load.
+    Returns {file name: loaded object}. Fails naming the file when one does not load, and when there is none:
+    "what is on disk loads" proves nothing about an empty folder. ``may_be_empty``: the caller's fault may come
+    before the first write (a kill or signal during start-up), so no file is a valid outcome there.
     """
     from checkpoint import is_checkpoint, read_weights
     from model import A3Clstm
@@ -262,6 +266,8 @@ def load_saved(folder: Path) -> dict[str, dict]:
             sd = obj
         A3Clstm(1, 6, 32).load_state_dict(sd, strict=True)
         loaded[path.name] = obj
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
+    assert loaded or may_be_empty, f"no checkpoint or model file to load in {folder} ({found})"
     return loaded
 
 
@@ -289,7 +295,7 @@ def resume_run(launch, tmp_path: Path, name: str = "resume") -> Run | None:
     Returns None (and runs nothing) when there is nothing to load.
     """
     models = models_dir(tmp_path)
-    saved = load_saved(models)
+    saved = load_saved(models, may_be_empty=True)
     if not saved:
         return None
     steps = saved[CKPT]["global_steps"] if CKPT in saved else 0
@@ -301,7 +307,8 @@ def resume_run(launch, tmp_path: Path, name: str = "resume") -> Run | None:
     left = run.leftovers(time.monotonic())
     assert not left, f"the --load run left {describe(left)}"
     assert not temp_files(models), f"temporary files left after the next run: {temp_files(models)}"
-    load_saved(models)
+    after = load_saved(models)
+    assert set(after) == FINAL and after[CKPT]["global_steps"] >= steps + 40, sorted(after)
     return run
 
 
@@ -316,7 +323,8 @@ def no_stray_temp_files(launch, tmp_path: Path) -> None:
         assert code == 0, f"the next run exited {code}{run.tail()}"
         assert not run.leftovers(time.monotonic()), "the next run left processes"
         assert not temp_files(models), f"temporary files left after the next run: {temp_files(models)}"
-        load_saved(models)
+        after = load_saved(models)
+        assert set(after) == FINAL and after[CKPT]["global_steps"] >= 40, sorted(after)
 
 
 def wait_for_steps(run: Run, tmp_path: Path, minimum: int = 1, timeout: float = START_SECONDS) -> int:
@@ -375,7 +383,9 @@ def kill_worker_case(launch, tmp_path, moment: str, rank: int = 1, resume: bool 
     check_end(run, t, {1})
     assert f"worker {rank} exited unexpectedly" in run.stdout(), run.tail()
     saved = load_saved(models_dir(tmp_path))
-    assert CKPT in saved, "no checkpoint after the run"
+    assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
+    if moment in ("mid-run", "random"):  # killed after a checkpoint with steps
+        assert saved[CKPT]["global_steps"] > 0
     if resume:
         resume_run(launch, tmp_path)
     else:
@@ -411,7 +421,10 @@ def kill_monitor_case(launch, tmp_path, moment: str, resume: bool):
     monitor.kill()
     check_end(run, t, {1})
     assert "monitor exited unexpectedly" in run.stdout(), run.tail()
-    load_saved(models_dir(tmp_path))
+    saved = load_saved(models_dir(tmp_path))
+    assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
+    if moment != "first-game":  # the monitor's first game (300 frames) ends after the workers began to count
+        assert saved[CKPT]["global_steps"] > 0
     if resume:
         resume_run(launch, tmp_path)
     else:
@@ -463,7 +476,7 @@ def kill_main_case(launch, tmp_path, moment):
     run.exit_time = time.monotonic()
     left = run.leftovers(t + END_SECONDS)
     assert not left, f"children outlived the killed main by {END_SECONDS:.0f} s: {describe(left)}{run.tail()}"
-    load_saved(models_dir(tmp_path))  # whatever was written before the kill loads
+    load_saved(models_dir(tmp_path), may_be_empty=True)  # whatever was written before the kill loads
     return run
 
 
@@ -516,7 +529,10 @@ def signal_case(launch, tmp_path, sig: int, moment, to_group: bool):
     if not started:  # killed by the signal before anything was started is the same as exit 128 + sig
         expected.add(-sig)
     check_end(run, t, expected, stopped=started)
-    load_saved(models_dir(tmp_path))
+    # children existed before the signal: main's launch (stop signals held back) returned, so it wrote its end
+    saved = load_saved(models_dir(tmp_path), may_be_empty=not started)
+    if started:
+        assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
     no_stray_temp_files(launch, tmp_path)
 
 
@@ -741,9 +757,9 @@ def full_disk_case(launch, tmp_path, size_bytes: int, expect_a_file: bool):
     assert any(str(models) in line for line in full), f"the disk-full line does not name the path: {full}"
     assert "stopped:" in run.stdout(), f"no 'stopped:' line{run.tail()}"
     assert not temp_files(copy), f"temporary files left on the full disk: {temp_files(copy)}"
-    saved = load_saved(copy)
-    if expect_a_file:
-        assert saved, f"the first write should have fit, yet nothing is on disk: {sorted(os.listdir(copy))}"
+    saved = load_saved(copy, may_be_empty=not expect_a_file)
+    if expect_a_file:  # the first periodic checkpoint fit; the final .dat may not have
+        assert CKPT in saved, f"the first write should have fit: {sorted(os.listdir(copy))}"
 
 
 def test_full_disk_after_the_first_checkpoint(launch, tmp_path):
@@ -772,7 +788,9 @@ def worker_error_case(launch, tmp_path, fault: str):
     assert "injected fault" in out, f"the worker's error is not reported{run.tail()}"
     if fault == "huge_error":
         assert "xxxxxxxxxx" in out, run.tail()
-    load_saved(models_dir(tmp_path))
+    saved = load_saved(models_dir(tmp_path))
+    assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
+    assert saved[CKPT]["global_steps"] > 0  # worker 0 failed in its second update, after counting its first
     no_stray_temp_files(launch, tmp_path)
 
 
