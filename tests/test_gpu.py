@@ -138,45 +138,50 @@ def with_activations(model, segments):
 def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device, replay):
     """GA3C: a trainer on ``device`` copies the CPU shared weights, computes the batch's gradient there and hands
     it to the CPU shared Adam; the shared weights after each update equal a CPU trainer's on the same batches.
-    ``replay``: the segments carry the conv activations a predictor saved (the default path), which the batch
-    takes to the trainer's device; in the first update, made with the weights that computed them, the gradient
-    handed over equals that of running the convolutions again."""
+    ``replay``: before each update the batch gets, stamped with the trainer's version, the conv activations of
+    the weights it holds (what a predictor with no policy lag saves: the default path), which the batch takes to
+    the trainer's device; every frame is then replayed, and every update hands over the gradient of running the
+    convolutions again."""
     import dataclasses
 
     from ga3c.settings import Ga3cSettings
-    from ga3c.trainer import Trainer
+    from ga3c.trainer import Trainer, assemble
     from model import A3Clstm
     from test_ga3c_trainer import random_segments
 
     torch.manual_seed(0)
     weights = A3Clstm(1, 6, 32).state_dict()
     batches = [random_segments([5, 3], ["cut", "term"], seed=seed) for seed in range(3)]
-    if replay:
-        acting = A3Clstm(1, 6, 32).channels_last()
-        acting.load_state_dict(weights)
-        batches = [with_activations(acting, segments) for segments in batches]
 
-    def train(dev, batches):
+    def train(dev, replay):
         shared = A3Clstm(1, 6, 32)
         shared.load_state_dict(weights)
         shared.share_memory()
         opt = RecordingSharedAdam(shared.parameters(), lr=1e-3)
         trainer = Trainer(shared, opt, Ga3cSettings(num_steps=5, train_batch=2), device=dev)
+        acting = A3Clstm(1, 6, 32).channels_last()
         for segments in batches:
+            version = trainer.version()
+            segments = [dataclasses.replace(s, versions=torch.full_like(s.versions, version), acts=None)
+                        for s in segments]
+            if replay:
+                acting.load_state_dict(shared.state_dict())
+                segments = with_activations(acting, segments)
+                assert bool(assemble(segments, version=version).replay.all())
             trainer.update(segments)
         assert all(p.device.type == "cpu" and p.is_shared() for p in shared.parameters())
         assert all(d.type == "cpu" and same_layout for step in opt.applied for _, d, same_layout in step)
         return opt
 
-    cpu, dev = train("cpu", batches), train(device, batches)
+    cpu, dev = train("cpu", replay), train(device, replay)
     for cpu_step, dev_step in zip(cpu.after, dev.after):
         for a, b in zip(cpu_step, dev_step):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     if replay:
-        assert all(s.acts is not None for segments in batches for s in segments)
-        fresh = train("cpu", [[dataclasses.replace(s, acts=None) for s in batches[0]]])
-        for i, ((replayed, _, _), (ran, _, _)) in enumerate(zip(dev.applied[0], fresh.applied[0])):
-            assert close(replayed, ran, device), f"parameter {i}: the replayed gradient is not the fresh one"
+        fresh = train("cpu", False)
+        for u, (replayed_step, fresh_step) in enumerate(zip(dev.applied, fresh.applied)):
+            for i, ((replayed, _, _), (ran, _, _)) in enumerate(zip(replayed_step, fresh_step)):
+                assert close(replayed, ran, device), f"update {u}, parameter {i}: not the fresh forward's gradient"
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
