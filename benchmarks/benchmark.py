@@ -539,7 +539,7 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
     """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
     torch.set_num_threads(1)
     args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
-                                      "--gpu-ids", *map(str, opts.gpu_ids),
+                                      "--precision", opts.precision, "--gpu-ids", *map(str, opts.gpu_ids),
                                       "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
     args.env_config = str(ROOT / "config.json")
     from config import precision_warnings, validate_precision

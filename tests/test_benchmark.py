@@ -16,7 +16,8 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
                      "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out),
                      "--out-dir", str(run_dir), "--ga3c-flags", "--agents 1 --envs-per-agent 2 --num-steps 5 "
-                     "--train-batch 1 --hidden-size 32 --precision bf16", cwd=tmp_path, timeout=280)
+                     "--train-batch 1 --hidden-size 32 --precision fp32", "--precision", "bf16", cwd=tmp_path,
+                     timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "PongNoFrameskip-v4_log").is_file()  # the monitor's log, where it was told to write
     res = json.loads(out.read_text())
@@ -29,10 +30,11 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert abs(r["training_over_plain_training"] - tr["steps_per_s"] / res["plain_training_steps_per_s"]) < 1e-9
     assert abs(r["plain_over_ours_step_cost"] - res["plain_step_ms"] / res["ours"]["total_ms"]) < 1e-9
     assert res["machine"]["torch"].startswith("2.") and "plain training" in proc.stdout
-    assert res["precision"] == "fp32" and "native_bf16" in res["machine"]
+    assert res["precision"] == "bf16" and "native_bf16" in res["machine"]
+    assert "training (bf16)" in proc.stdout and "this model per step (1 thread, bf16)" in proc.stdout
     g, flop = res["ga3c"], res["model_mflop_per_step"]
     assert g["steps"] > 0 and g["updates_per_s"] > 0 and g["flags"]["agents"] == 1
-    assert g["flags"]["compute_precision"] == "bf16"  # --ga3c-flags' own --precision
+    assert g["flags"]["compute_precision"] == "fp32"  # --ga3c-flags' own --precision
     assert set(g["rss_mib_start"]) == {"ga3c server", "ga3c agent 0", "monitor"}
     assert abs(res["ga3c_over_a3g"] - g["steps_per_s"] / tr["steps_per_s"]) < 1e-9
     assert 300 < flop["total"] < 600 and flop["total"] == sum(v for k, v in flop.items() if k != "total")
