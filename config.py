@@ -298,6 +298,11 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
                            "queue_size", "sync_every") if getattr(args, name) < 1]
     if args.is_clip < 0:
         errors.append(f"--is-clip must be > 0 (or 0 = off), got {args.is_clip:g}")
+    if args.mode == "ga3c":
+        from ga3c.buffers import ordering_problem
+        problem = ordering_problem()
+        if problem:
+            errors.append(problem)
     if args.mode == "ga3c" and args.distributed_step_size is not None:
         errors.append("--distributed-step-size is for A3G workers; in GA3C mode every segment has --num-steps steps")
     if args.dynamic_seconds <= 0:

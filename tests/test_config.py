@@ -55,3 +55,12 @@ def test_usage_errors_are_one_line(tmp_path):
         r = run_entry(script, *args, cwd=tmp_path, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
         assert r.stderr.startswith(f"{script}: error: ")
+
+
+def test_ga3c_mode_on_a_cpu_without_the_fences_it_needs_is_refused_in_one_line(tmp_path, monkeypatch):
+    import ga3c.buffers
+    from config import build_parser, validate
+    monkeypatch.setattr(ga3c.buffers, "ordering_problem", lambda: "GA3C mode needs memory fences here")
+    flags = ["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
+    assert "GA3C mode needs memory fences here" in validate(build_parser().parse_args(["--mode", "ga3c", *flags]))
+    assert validate(build_parser().parse_args(flags)) == []  # A3G mode does not share env slots
