@@ -22,6 +22,7 @@ updates the private weights are behind.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 from dataclasses import dataclass
 import torch
@@ -77,8 +78,12 @@ class Predictor:
     def __init__(self, model, buffers: EnvSlots, slots, states: SlotStates, *, num_steps: int,
                  predict_batch: int, counters=None, index: int = 0, sink=None,
                  device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False,
-                 open_segments: dict | None = None, sync_every: int = 1, save_activations: bool = False):
+                 open_segments: dict | None = None, sync_every: int = 1, save_activations: bool = False,
+                 step_lock=None):
         self.model = model
+        # held while reading the version and copying the weights: the trainers step the optimizer and move the
+        # version under it, so the copy and its stamp are always one version's
+        self.step_lock = step_lock if step_lock is not None else contextlib.nullcontext()
         self.buffers = buffers
         self.slots = torch.as_tensor(list(slots), dtype=torch.int64)
         self.states = states
@@ -118,9 +123,11 @@ class Predictor:
         req = self.buffers.read_requests(slots)
         version = self.counters.version if self.counters is not None else 0
         if self.source is not None:
-            if self._synced < 0 or version - self._synced >= self.sync_every:
-                sync_weights(self.model, self.source)
-                self._synced = version
+            with self.step_lock:
+                version = self.counters.version
+                if self._synced < 0 or version - self._synced >= self.sync_every:
+                    sync_weights(self.model, self.source)
+                    self._synced = version
             # the private copy acts with the weights of its last sync, up to sync_every - 1 updates older than
             # ``version``: those are the weights the answer and the segment must name, or the lag is under-counted
             version = self._synced

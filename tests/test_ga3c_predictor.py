@@ -87,6 +87,37 @@ def test_a_private_model_follows_the_shared_one_when_the_version_moves():
         assert close(out.values[0], v.view(()))
 
 
+def test_the_servers_predictor_reads_the_version_and_copies_the_weights_under_the_step_lock(tmp_path, monkeypatch):
+    """The trainers step the optimizer and move the version under the server's step lock; a predictor that read
+    the version, then copied weights a step had changed meanwhile, would stamp newer weights with an older
+    version (and those frames would be replayed as the trainer's own)."""
+    import ga3c.predictor
+    from config import build_parser, validate
+    from ga3c.run import Ga3cRun
+    from ga3c.server import build_server
+    from shared_optim import make_optimizer
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "1", "--hidden-size",
+                                      "16", "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    assert validate(args) == []
+    shared = A3Clstm(1, A, 16)
+    shared.share_memory()
+    optimizer = make_optimizer("Adam", shared.parameters(), 1e-3, False, shared=True)
+    run = Ga3cRun(args, shared, optimizer, log=None)
+    try:
+        server = build_server(args, shared, optimizer, run.buffers, run.counters, run.run.stop)
+        (pred,) = server.predictors
+        held = []
+        real_sync = ga3c.predictor.sync_weights
+        monkeypatch.setattr(ga3c.predictor, "sync_weights",
+                            lambda local, source: (held.append(server.step_lock.locked()), real_sync(local, source)))
+        run.buffers.submit(0, torch.randn(1, 80, 80), episode_start=True)
+        assert pred.step() is not None
+        assert held == [True]
+    finally:
+        run.release()
+
+
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_every_action_is_stamped_with_the_version_of_the_weights_that_acted(sync_every):
     """A private copy synced every ``sync_every`` updates acts with weights up to ``sync_every - 1`` updates older
