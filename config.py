@@ -148,9 +148,10 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="segments of --num-steps transitions per update (GA3C TRAINING_MIN_BATCH_SIZE counts "
                         "transitions; default: %(default)s)")
     g.add_argument("--queue-size", type=int, default=8,
-                   help="finished segments waiting for a trainer; a full queue holds the agents back, so it bounds "
-                        "the policy lag and the memory of saved activations (about 0.9 MB a frame) (GA3C "
-                        "MAX_QUEUE_SIZE, 100 segments of 5 steps; default: %(default)s)")
+                   help="finished segments waiting for a trainer; a full queue holds the agents back, bounding the "
+                        "memory of saved activations (about 0.9 MB a frame) and, with the env slots' open segments "
+                        "and over --train-batch, the policy lag (GA3C MAX_QUEUE_SIZE, 100 segments of 5 steps; "
+                        "default: %(default)s)")
     g.add_argument("--replay-activations", action=BoolFlag, default=True,
                    help="predictors save the conv activations, and a trainer replays those of the frames its own "
                         "weights acted on instead of running the convolutions again; frames acted on by older weights "
