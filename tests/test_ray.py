@@ -403,6 +403,39 @@ def test_the_server_applies_a_push_once_and_refuses_a_replaced_nodes_pushes(tmp_
     assert ps.weights["a"].tolist() == [2.0, 2.0] and ps.landed(0, new + 7) == 3 and ps.landed(0, new) == 0
 
 
+def test_a_node_that_rejoins_starts_from_the_global_weights_and_trains_on_from_them(idle_node):
+    """As Ray restarts a lost node: a second ``HogwildNode`` with the same index joins the in-process server after
+    the first one's changes landed. Its model and its base are the global weights, not a fresh initialisation; its
+    next push adds only what it trained since, and the replaced node's late push is refused."""
+    from multinode.node import HogwildNode
+    node, server, start, train = idle_node
+    first, second = change_of(start, 0.25), change_of(start, -0.5)
+    train(first, 40)
+    assert node.sync()
+    ps = server.ps
+    global_weights = {k: v.clone() for k, v in ps.weights.items()}
+    assert same_weights(global_weights, plus(start, first))
+    again = HogwildNode(ps.args, 0, server.call, 6)
+    try:
+        assert again.joins == 2
+        assert same_weights(again.model.state_dict(), global_weights), "the rejoined node has not the global weights"
+        assert not same_weights(again.model.state_dict(), start)
+        assert same_weights(again.uplink.base, global_weights)
+        with torch.no_grad():
+            for k, v in again.live.items():
+                v.add_(second[k])
+        again.run.global_steps.add(0, 25)
+        assert again.sync()
+        assert same_weights(ps.weights, plus(start, first, second)), "the rejoined node's push was not its own training"
+        assert ps.global_steps == 65
+        train(first, 10)
+        assert node.sync()  # the replaced node's late push: answered, not applied
+        assert same_weights(ps.weights, plus(start, first, second)) and ps.global_steps == 65
+        assert ps.status()["nodes"][0]["refused"] == 1
+    finally:
+        again.stop()
+
+
 # -------------------------------------------------------------------------------------------------- bad input
 def run_main(tmp_path, *args, timeout=120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -469,18 +502,54 @@ def ray_processes(run) -> list[psutil.Process]:
 @pytest.mark.timeout(1200)
 def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch, tmp_path):
     """Two nodes; kill -9 node 0's actor process once it trains: Ray restarts it, it rejoins from the global
-    weights and trains again while node 1 goes on; then Ctrl-C (SIGINT to the run's process group, as a
-    terminal sends it) stops everything: exit 130, no process of the run and no Ray process left, loadable
-    checkpoint and .dat written by the parameter server; a single-machine run resumes from them (a multi-node
-    resume: the slow test below)."""
+    weights (the checkpoint after its rejoined node's first pushes is the one before them plus a little training,
+    not a fresh initialisation) and trains again while node 1 goes on; then Ctrl-C (SIGINT to the run's process
+    group, as a terminal sends it) stops everything: exit 130, no process of the run and no Ray process left,
+    loadable checkpoint and .dat written by the parameter server; a single-machine run resumes from them (a
+    multi-node resume: the slow test below)."""
+    from checkpoint import read_weights
+    path = models_dir(tmp_path) / CKPT
+
+    def saved_after(t: float, what: str, condition=lambda ckpt: True) -> dict:
+        """The first checkpoint written after ``t`` (time.time()) that meets ``condition``."""
+        def get():
+            if path.stat().st_mtime <= t:
+                return None
+            ckpt = read_weights(path)
+            return ckpt if condition(ckpt) else None
+        return run.poll_until(get, 120, what)
+
     run = launch(ray_args(tmp_path))
     pid = int(run.wait_for_output(r"node 0: pid (\d+) on", RAY_START_SECONDS).group(1))
+    other = psutil.Process(int(run.wait_for_output(r"node 1: pid (\d+) on", RAY_START_SECONDS).group(1)))
     run.poll_until(lambda: node_steps(run, 0) > 0, RAY_START_SECONDS, "node 0 training")
-    os.kill(pid, signal.SIGKILL)
-    run.wait_for_output(r"node 0 lost|node 0 rejoined", 60)
-    run.wait_for_output(r"node 0 rejoined \(start 2\) from the global weights at [\d,]+ global steps", 120)
-    new_pid = int(run.wait_for_output(rf"node 0: pid (?!{pid}\b)(\d+) on", 120).group(1))
-    assert new_pid != pid
+    old_epoch = saved_after(time.time(), "a checkpoint of node 0's pushes")["ray_push_seqs"][0][0]
+    # Node 1 is paused (SIGSTOP) from before the kill until the rejoined node's pushes are in a checkpoint: the
+    # global weights stay those the rejoined node must start from, and what moves them then is its training alone.
+    other.suspend()
+    try:
+        time.sleep(1.0)  # a push node 1 already sent lands
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        before = saved_after(killed, "a checkpoint after the kill")
+        epoch, seq = before["ray_push_seqs"][0]
+        assert epoch == old_epoch or seq == 0, "the restarted node pushed before the test read the global weights"
+        run.wait_for_output(r"node 0 lost|node 0 rejoined", 60)
+        run.wait_for_output(r"node 0 rejoined \(start 2\) from the global weights at [\d,]+ global steps", 120)
+        new_pid = int(run.wait_for_output(rf"node 0: pid (?!{pid}\b)(\d+) on", 120).group(1))
+        assert new_pid != pid
+        after = saved_after(killed, "a checkpoint with the rejoined node's trained steps",  # its first pushes
+                            lambda c: c["ray_push_seqs"][0][0] > old_epoch  # may come before it trained
+                            and c["global_steps"] > before["global_steps"])
+    finally:
+        other.resume()
+    # Trained on from the global weights, the rejoined node moved them by its few seconds of training (sum merge);
+    # from a fresh initialisation, its first push would have carried the whole difference (about 1.4 times them).
+    assert after["global_steps"] > before["global_steps"], "the rejoined node's steps were not counted"
+    moved = sum(float((after["model"][k] - before["model"][k]).double().norm()) ** 2 for k in before["model"]) ** 0.5
+    size = sum(float(v.double().norm()) ** 2 for v in before["model"].values()) ** 0.5
+    assert 0 < moved < 0.5 * size, (f"the rejoined node moved the global weights by {moved / size:.2f} of their "
+                                    f"norm: it did not train from them")
     mark = len(run.stdout())
     run.poll_until(lambda: re.search(r"node 0 [1-9]\d* steps/s", run.stdout()[mark:]), 120,
                    "node 0 training again after its restart")
@@ -578,16 +647,41 @@ def test_a_ray_run_stops_at_its_budget_and_a_ray_run_continues_from_its_checkpoi
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_parameter_server_comes_back_from_the_last_checkpoint(launch, tmp_path):
+    """``kill -9`` of the parameter server: Ray restarts it from the last checkpoint the killed one wrote, at that
+    checkpoint's step count and weights exactly (what was trained since that checkpoint is lost, nothing more),
+    and the run's step count goes on up from there. Both nodes are paused (SIGSTOP) from just before the kill until
+    the restarted server has written a checkpoint, so that no push moves its state before the test reads it."""
+    from checkpoint import read_weights
+    path = models_dir(tmp_path) / CKPT
     run = launch(ray_args(tmp_path))
+    pids = [int(run.wait_for_output(rf"node {i}: pid (\d+) on", RAY_START_SECONDS).group(1)) for i in range(2)]
     run.poll_until(lambda: node_steps(run, 0) > 0 and node_steps(run, 1) > 0, RAY_START_SECONDS, "both nodes training")
     time.sleep(6)  # a checkpoint with steps in it (every 5 s)
     ps = run.poll_until(lambda: next((p for p in run.processes() if "ParameterServer" in title(p)), None), 30,
                         "the parameter server's process")
-    ps.kill()
-    run.wait_for_output(r"the parameter server (died|does not answer)", 60)
-    back = run.wait_for_output(r"the parameter server is back after \d+ s, from .*\.ckpt, at ([\d,]+) global steps",
-                               120)
-    assert int(back.group(1).replace(",", "")) > 0
+    nodes = [psutil.Process(pid) for pid in pids]
+    for p in nodes:
+        p.suspend()
+    try:
+        time.sleep(1.0)  # a push already sent lands (and is lost with the server) or dies with it
+        ps.kill()
+        ps.wait(timeout=10)
+        killed = time.time()
+        last = read_weights(path)  # the last checkpoint of the killed server: a restart must come back from it
+        assert last["global_steps"] > 0
+        run.wait_for_output(r"the parameter server (died|does not answer)", 60)
+        back = run.wait_for_output(r"the parameter server is back after \d+ s, from .*\.ckpt, at ([\d,]+) global "
+                                   r"steps", 120)
+        assert int(back.group(1).replace(",", "")) == last["global_steps"], (
+            f"the restarted server counts {back.group(1)} global steps, its checkpoint {last['global_steps']:,}")
+        run.poll_until(lambda: path.stat().st_mtime > killed, 60, "a checkpoint of the restarted server")
+        first = read_weights(path)
+    finally:
+        for p in nodes:
+            p.resume()
+    assert first["global_steps"] == last["global_steps"]
+    changed = [k for k in last["model"] if not torch.equal(first["model"][k], last["model"][k])]
+    assert not changed, f"the restarted server's weights are not its checkpoint's: {changed}"
     mark = len(run.stdout())
     run.poll_until(lambda: re.search(r"steps [\d,]+ \([1-9]\d* steps/s\)", run.stdout()[mark:]), 120,
                    "training going on after the server came back")
@@ -596,7 +690,8 @@ def test_a_killed_parameter_server_comes_back_from_the_last_checkpoint(launch, t
     check_end(run, fault, {143}, end_seconds=RAY_END_SECONDS)
     assert "did not write the final checkpoint" not in run.stdout(), run.tail()
     assert not ray_processes(run)
-    assert load_saved(models_dir(tmp_path))[CKPT]["global_steps"] > 0  # it came back from one with steps
+    final = load_saved(models_dir(tmp_path))[CKPT]
+    assert final["global_steps"] > last["global_steps"], "the run's steps did not go on from the checkpoint's"
 
 
 @pytest.mark.slow
