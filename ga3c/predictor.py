@@ -124,7 +124,7 @@ class Predictor:
         version = self.counters.version if self.counters is not None else 0
         if self.source is not None:
             with self.step_lock:
-                version = self.counters.version
+                version = self.counters.version if self.counters is not None else 0
                 if self._synced < 0 or version - self._synced >= self.sync_every:
                     sync_weights(self.model, self.source)
                     self._synced = version
