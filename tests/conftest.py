@@ -73,3 +73,18 @@ def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy
         loss.total.backward()
         total += loss.total.item()
     return total
+
+
+def collect_batch(predictor, stepper, segments, size: int, tries: int = 500) -> list:
+    """Step the predictor and the agent in this thread (the same calls as their loops, in a fixed order) until
+    ``size`` closed segments are taken from the ``segments`` queue; asserts they came."""
+    batch = []
+    for _ in range(tries):
+        predictor.step()
+        stepper.poll()
+        while not segments.empty() and len(batch) < size:
+            batch.append(segments.get_nowait())
+        if len(batch) == size:
+            break
+    assert len(batch) == size, "the predictor closed no segments"
+    return batch

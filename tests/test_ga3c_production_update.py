@@ -26,7 +26,7 @@ copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr aft
 import pytest
 import torch
 
-from conftest import assert_same_optimizer_state, segments_reference_backward
+from conftest import assert_same_optimizer_state, collect_batch, segments_reference_backward
 from config import build_parser, validate_ga3c
 from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
 from ga3c.run import Ga3cRun
@@ -119,15 +119,7 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
         g = torch.Generator().manual_seed(11)
         lagged = settings.is_clip is not None and not settings.replay_activations
         for u in range(UPDATES):
-            batch = []
-            for _ in range(500):
-                predictor.step()
-                stepper.poll()
-                while not server.segments.empty() and len(batch) < settings.train_batch:
-                    batch.append(server.segments.get_nowait())
-                if len(batch) == settings.train_batch:
-                    break
-            assert len(batch) == settings.train_batch, "the predictor closed no segments"
+            batch = collect_batch(predictor, stepper, server.segments, settings.train_batch)
             assert all(seg.acts is not None for seg in batch) == settings.replay_activations
             if settings.is_clip is not None:  # behaviour probabilities off the current policy (see the docstring)
                 for seg in batch:

@@ -184,7 +184,7 @@ def test_a3g_bf16_update_matches_the_references(tmp_path, name, amsgrad):
 
 
 def test_ga3c_bf16_update_matches_the_references(tmp_path):
-    from conftest import segments_reference_backward
+    from conftest import collect_batch, segments_reference_backward
     from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
     from ga3c.run import Ga3cRun
     from ga3c.server import build_server
@@ -217,15 +217,7 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path):
         stepper.begin()
         for u in range(3):
             acted = {k: v.clone() for k, v in shared_model.state_dict().items()}
-            batch = []
-            for _ in range(500):
-                predictor.step()
-                stepper.poll()
-                while not server.segments.empty() and len(batch) < settings.train_batch:
-                    batch.append(server.segments.get_nowait())
-                if len(batch) == settings.train_batch:
-                    break
-            assert len(batch) == settings.train_batch, "the predictor closed no segments"
+            batch = collect_batch(predictor, stepper, server.segments, settings.train_batch)
             assert all(seg.acts is not None and seg.acts[0].dtype == torch.bfloat16 for seg in batch)
             result = trainer.update(batch)
             assert result.lag_max == 0
