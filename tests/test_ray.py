@@ -524,16 +524,18 @@ def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch,
     other = psutil.Process(int(run.wait_for_output(r"node 1: pid (\d+) on", RAY_START_SECONDS).group(1)))
     run.poll_until(lambda: node_steps(run, 0) > 0, RAY_START_SECONDS, "node 0 training")
     old_epoch = saved_after(time.time(), "a checkpoint of node 0's pushes")["ray_push_seqs"][0][0]
-    # Node 1 is paused (SIGSTOP) from before the kill until the rejoined node's pushes are in a checkpoint: the
-    # global weights stay those the rejoined node must start from, and what moves them then is its training alone.
+    # Both nodes are paused (SIGSTOP) before the kill, and node 1 stays paused until the rejoined node's pushes are
+    # in a checkpoint: from the pause on, the global weights are those the rejoined node must start from (a checkpoint
+    # written after the pause holds them, whenever Ray restarts the node), and what moves them then is its training.
     other.suspend()
     try:
-        time.sleep(1.0)  # a push node 1 already sent lands
+        psutil.Process(pid).suspend()
+        time.sleep(1.0)  # pushes already sent land
+        before = saved_after(time.time(), "a checkpoint with both nodes paused")
+        epoch, seq = before["ray_push_seqs"][0]
+        assert epoch == old_epoch, "node 0 was restarted before it was killed"
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
-        before = saved_after(killed, "a checkpoint after the kill")
-        epoch, seq = before["ray_push_seqs"][0]
-        assert epoch == old_epoch or seq == 0, "the restarted node pushed before the test read the global weights"
         run.wait_for_output(r"node 0 lost|node 0 rejoined", 60)
         run.wait_for_output(r"node 0 rejoined \(start 2\) from the global weights at [\d,]+ global steps", 120)
         new_pid = int(run.wait_for_output(rf"node 0: pid (?!{pid}\b)(\d+) on", 120).group(1))
