@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).")
     add_model_env_flags(p)
     p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
+    p.add_argument("--lr-anneal-steps", type=int, default=0,
+                   help="anneal the learning rate linearly from --lr to 0 at this many global agent steps, where "
+                        "the run stops (as A3C's paper did); 0 = a constant --lr (default: %(default)s)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
     p.add_argument("--value-coef", "-vc", type=float, default=0.5,
                    help="value loss weight; 0.5 is upstream's fixed factor (default: %(default)s)")
@@ -246,6 +249,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.workers >= 1, f"--workers must be >= 1, got {args.workers}"),
         (args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}"),
         (args.max_steps >= 0, f"--max-steps must be >= 0 (0 = no limit), got {args.max_steps}"),
+        (args.lr_anneal_steps >= 0,
+         f"--lr-anneal-steps must be >= 0 (0 = a constant --lr), got {args.lr_anneal_steps}"),
         (args.max_seconds >= 0, f"--max-seconds must be >= 0 (0 = no limit), got {args.max_seconds}"),
         (args.score_window >= 1, f"--score-window must be >= 1, got {args.score_window}"),
         (args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = off), got {args.max_grad_norm}"),
@@ -256,6 +261,8 @@ def validate(args: argparse.Namespace) -> list[str]:
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]
     errors += [msg for ok, msg in checks if not ok]
+    if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
+        args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
@@ -331,6 +338,9 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
         return errors
     if not args.ray_address.strip():
         errors.append("--ray-address is empty: give auto, HOST:PORT or local")
+    if args.lr_anneal_steps:
+        errors.append("--lr-anneal-steps needs the global step count in every worker, which Ray nodes do not have: "
+                      "drop --lr-anneal-steps or --ray-address")
     if args.mode == "ga3c":
         errors.append("--ray-address runs A3G nodes; GA3C mode runs on one machine (drop --mode ga3c or "
                       "--ray-address)")

@@ -13,7 +13,7 @@ from model import A3Clstm
 from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
 from precision import compute_dtype
 from run_state import RunState
-from shared_optim import make_optimizer
+from shared_optim import annealed_lr, make_optimizer, set_lr
 from utils import describe_failure, setup_child_process, use_device, worker_device
 
 
@@ -67,6 +67,8 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
             break
         sync_weights(model, shared_model)
         rollout = agent.rollout(num_steps)
+        if args.lr_anneal_steps:
+            set_lr(optimizer, annealed_lr(args.lr, run.global_steps.value, args.lr_anneal_steps))
         loss, grad_norm = update(model, rollout, handoff, optimizer, args)
         updates += 1
         steps = rollout.actions.shape[0]

@@ -22,6 +22,8 @@ class Ga3cSettings:
     max_grad_norm: float = 0.0  # 0 = no clipping (upstream A3G)
     replay_activations: bool = True  # trainers reuse the predictors' conv activations (no second conv forward)
     compute_precision: str = "fp32"  # the conv encoder's, in predictors and trainers (precision.py)
+    lr: float = 1e-4  # the start of the learning-rate schedule (the optimizer is built with it)
+    lr_anneal_steps: int = 0  # lr falls linearly to 0 at this many global agent steps; 0 = constant lr
 
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":
@@ -39,6 +41,8 @@ class Ga3cSettings:
             (self.train_batch >= 1, f"train_batch must be >= 1, got {self.train_batch}"),
             (self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}"),
             (self.is_clip is None or self.is_clip > 0, f"is_clip must be > 0 (or None = off), got {self.is_clip}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.lr_anneal_steps >= 0, f"lr_anneal_steps must be >= 0, got {self.lr_anneal_steps}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
             (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "
                                                f"{self.compute_precision!r}"),

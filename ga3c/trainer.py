@@ -46,6 +46,7 @@ from losses import A3CLoss
 from model import A3Clstm, _Replay
 from precision import compute_dtype
 from player_util import GradientHandoff, sync_weights
+from shared_optim import annealed_lr, set_lr
 
 
 @dataclass
@@ -196,6 +197,11 @@ class Trainer:
     def version(self) -> int:
         return self.counters.version if self.counters is not None else self.updates
 
+    def global_steps(self) -> int:
+        """The run's global agent steps (``counters``' slots, the resumed base included; 0 without counters): where
+        ``--lr-anneal-steps``'s schedule stands."""
+        return int(self.counters.agent_steps.sum()) if self.counters is not None else 0
+
     def update(self, segments: list[Segment]) -> UpdateResult:
         """One optimizer step on the shared model from ``segments``: the gradient at the shared weights copied at
         the start (saved activations replayed only for the frames those weights acted on, see the module
@@ -220,6 +226,9 @@ class Trainer:
         per_step = dict(policy=loss.policy.item() / n, value=loss.value.item() / n, entropy=loss.entropy.item() / n)
         with self.step_lock:
             self.handoff()
+            if self.settings.lr_anneal_steps:
+                lr = annealed_lr(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)
+                set_lr(self.optimizer, lr)
             self.optimizer.step()
             self.updates += 1
             if self.counters is not None:  # the version moves with the weights (see the module docstring)
