@@ -178,24 +178,32 @@ def test_a_hogwild_node_trains_and_trades_its_changes_with_the_parameter_server(
 
 class QueuedServer:
     """An in-process ``ParameterServer`` reached as the Ray actor is: one call at a time, in the order sent
-    (``max_concurrency=1``); the caller waits ``timeout`` seconds for the answer, then gets ``TimeoutError`` while
-    its call stays queued and still runs later, as ``ray.get(..., timeout=...)`` cancels nothing. ``hold()`` keeps
-    the server busy (as a slow checkpoint write, or other nodes' syncs, do) until the event it returns is set;
-    ``restart(ps)`` loses the calls still queued and puts ``ps`` in their place, as Ray's restart of a dead server
-    does."""
+    (``max_concurrency=1``); a call that waits behind a ``hold()`` not yet released gets ``TimeoutError`` after
+    ``timeout`` seconds while it stays queued and still runs later, as ``ray.get(..., timeout=...)`` cancels
+    nothing. ``hold()`` keeps the server busy (as a slow checkpoint write, or other nodes' syncs, do) until the
+    event it returns is set; ``restart(ps)`` loses the calls still queued and puts ``ps`` in their place, as Ray's
+    restart of a dead server does.
 
-    def __init__(self, ps, timeout: float = 0.5):
-        self.ps, self.timeout = ps, timeout
+    Whether a call times out depends only on the holds, never on how fast the server's thread gets the CPU: a call
+    that nothing holds up is waited for ``answer_seconds`` (a loaded machine may keep the thread off the CPU for
+    longer than the node's short timeout), and one queued behind a hold cannot run before the test releases it."""
+
+    def __init__(self, ps, timeout: float = 0.5, answer_seconds: float = 60.0):
+        self.ps, self.timeout, self.answer_seconds = ps, timeout, answer_seconds
         self.pool = ThreadPoolExecutor(1)
-        self.held: list[threading.Event] = []
+        self.held: list[threading.Event] = []  # every hold, released at close()
+        self.holding: list[threading.Event] = []  # the holds queued on the current server
 
     def call(self, method: str, *args):
         ps = self.ps
-        return self.pool.submit(lambda: getattr(ps, method)(*args)).result(self.timeout)
+        answer = self.pool.submit(lambda: getattr(ps, method)(*args))
+        held = any(not release.is_set() for release in self.holding)
+        return answer.result(self.timeout if held else self.answer_seconds)
 
     def hold(self) -> threading.Event:
         release = threading.Event()
         self.held.append(release)
+        self.holding.append(release)
         self.pool.submit(release.wait, 60)
         return release
 
@@ -203,7 +211,7 @@ class QueuedServer:
         self.pool.submit(lambda: None).result(30)
 
     def restart(self, ps) -> None:
-        old, self.pool, self.ps = self.pool, ThreadPoolExecutor(1), ps
+        old, self.pool, self.ps, self.holding = self.pool, ThreadPoolExecutor(1), ps, []
         old.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
