@@ -404,12 +404,17 @@ def test_killed_worker_at_other_moments(launch, tmp_path, moment):
 
 # ------------------------------------------------------------------------------ 2. kill -9 of the monitor
 def kill_monitor_case(launch, tmp_path, moment: str, resume: bool):
+    # Except during the first game, the kill comes after a checkpoint with the workers' steps: the monitor's first
+    # game may end before any worker made its first update (the monitor starts first; a worker may be slow to).
+    ckpt = ("--checkpoint-every-seconds", "0.5")
     if moment == "between-games":  # one short game at start-up, then the monitor idles
-        run = launch(train_args(tmp_path, "--test-every-steps", "1000000000"))
+        run = launch(train_args(tmp_path, "--test-every-steps", "1000000000", *ckpt))
         run.wait_for_output(r"\[monitor\]")
+        wait_for_steps(run, tmp_path)
         time.sleep(1.0)
     elif moment == "mid-game":  # games back to back, killed while one is being played
-        run = launch(train_args(tmp_path, "--test-every-steps", "0", "--max-episode-length", "3000"))
+        run = launch(train_args(tmp_path, "--test-every-steps", "0", "--max-episode-length", "3000", *ckpt))
+        wait_for_steps(run, tmp_path)
         run.wait_for_output(r"\[monitor\]")
         pause(random.uniform(0.3, 2.0))
     else:  # while it starts up / plays its first game
@@ -423,7 +428,7 @@ def kill_monitor_case(launch, tmp_path, moment: str, resume: bool):
     assert "monitor exited unexpectedly" in run.stdout(), run.tail()
     saved = load_saved(models_dir(tmp_path))
     assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
-    if moment != "first-game":  # the monitor's first game (300 frames) ends after the workers began to count
+    if moment != "first-game":  # killed after a checkpoint with steps (above)
         assert saved[CKPT]["global_steps"] > 0
     if resume:
         resume_run(launch, tmp_path)
