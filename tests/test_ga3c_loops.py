@@ -145,9 +145,12 @@ def test_a_spawned_agent_feeds_the_servers_threads(env_config):
     try:
         server.start()
         p.start()
+        # until both predictors served too: the agent steps whichever envs are answered, so predictor 0's slots
+        # alone can make the 4 updates while predictor 1's thread has not yet had the CPU
         deadline = time.monotonic() + 90
-        while counters.version < 4 and not stop.is_set():
-            assert time.monotonic() < deadline and p.is_alive(), errors.read_all()
+        while (counters.version < 4 or not all(int(counters.predictions[i]) > 0 for i in range(2))) \
+                and not stop.is_set():
+            assert time.monotonic() < deadline and p.is_alive(), (counters.predictions.tolist(), errors.read_all())
             time.sleep(0.05)
         stop.set()
         assert server.join(10)
