@@ -110,11 +110,16 @@ def test_the_server_changes_its_thread_counts_while_agents_run(env_config):
                                                      stop), kwargs={"counters": counters, "episodes": episodes})
     agent.start()
 
-    def progress(updates_more, predictions_more, timeout=120):
-        v0, p0 = counters.version, counters.total_predictions
+    def progress(updates_more, predictions_more, serving=0, timeout=120):
+        """Until ``updates_more`` updates, ``predictions_more`` predictions, and a prediction by each of the first
+        ``serving`` predictors: the agent steps whichever envs are answered, so the others' slots alone can make
+        the counts while one predictor's thread has not yet had the CPU."""
+        v0, p0, before = counters.version, counters.total_predictions, counters.predictions.clone()
         deadline = time.monotonic() + timeout
-        while counters.version < v0 + updates_more or counters.total_predictions < p0 + predictions_more:
-            assert time.monotonic() < deadline and not server.failures, server.failures
+        while counters.version < v0 + updates_more or counters.total_predictions < p0 + predictions_more \
+                or not ((counters.predictions - before)[:serving] > 0).all():
+            assert time.monotonic() < deadline and not server.failures, (
+                server.failures, (counters.predictions - before)[:serving].tolist())
             time.sleep(0.05)
 
     try:
@@ -123,7 +128,7 @@ def test_the_server_changes_its_thread_counts_while_agents_run(env_config):
             server.set_counts(nt, np_)
             assert server.counts == (nt, np_) and counters.active[:2].tolist() == [nt, np_]
             predictions = counters.predictions.clone()
-            progress(2, 20)
+            progress(2, 20, serving=np_)
             served = (counters.predictions - predictions)[:np_]
             assert (served > 0).all(), served  # every predictor of the new set serves its slots
         # no slot starves and no slot's LSTM state went back to zero without an episode start (Pong: no lost life)
