@@ -203,7 +203,9 @@ def test_a_predictor_retired_while_the_segment_queue_is_full_hands_its_slots_ove
         # the queue is full and slot 0's request waits: its predictor is stuck putting a closed segment
         wait_until(lambda: server.segments.full() and buffers.waiting(torch.tensor([0])).numel() == 1,
                    "predictor waiting on the full queue", hold=0.3)
-        server.set_counts(0, 2, timeout=0.5)
+        # the retired predictor must end its step while the queue stays full: with no trainer, one that waited for
+        # room would never end; the default timeout only leaves a busy machine time to run its thread
+        server.set_counts(0, 2)
         assert not server.failures, server.failures
         # the new predictor of slot 0 serves two requests while the queue is still full
         wait_until(lambda: server.predictors[0].predictions >= 2, "new predictor serving slot 0")
