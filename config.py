@@ -155,11 +155,11 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                         "memory of saved activations (about 0.9 MB a frame) and, with the env slots' open segments "
                         "and over --train-batch, the policy lag (GA3C MAX_QUEUE_SIZE, 100 segments of 5 steps; "
                         "default: %(default)s)")
-    g.add_argument("--replay-activations", action=BoolFlag, default=True,
+    g.add_argument("--replay-activations", action=BoolFlag, default=False,
                    help="predictors save the conv activations, and a trainer replays those of the frames its own "
                         "weights acted on instead of running the convolutions again; frames acted on by older weights "
-                        "(policy lag) run again, so the gradient is always the one at the trainer's weights; "
-                        "--no-replay-activations runs every frame again and saves nothing, as GA3C (default: on)")
+                        "(policy lag, most of them) run again, so the gradient is always the one at the trainer's "
+                        "weights; off: every frame runs again and nothing is saved, as GA3C (default: off)")
     g.add_argument("--is-clip", type=float, default=0.0,
                    help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
                         "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")

@@ -20,7 +20,7 @@ class Ga3cSettings:
     value_coef: float = 0.5
     is_clip: float | None = None  # truncated importance weight min(pi/mu, is_clip); None = plain GA3C
     max_grad_norm: float = 0.0  # 0 = no clipping (upstream A3G)
-    replay_activations: bool = True  # trainers reuse the predictors' conv activations (no second conv forward)
+    replay_activations: bool = False  # trainers reuse the predictors' conv activations of frames at their version
     compute_precision: str = "fp32"  # the conv encoder's, in predictors and trainers (precision.py)
     lr: float = 1e-4  # the start of the learning-rate schedule (the optimizer is built with it)
     lr_anneal_steps: int = 0  # lr falls linearly to 0 at this many global agent steps; 0 = constant lr

@@ -4,7 +4,7 @@ obviously-correct reference step for step, for every parameter and every optimiz
 Production path: the shared model and optimizer built as in ``main.py`` (the shared one from ``make_optimizer``,
 or the server's private one for ``--no-shared-optimizer``); ``Ga3cRun``'s env slots and counters; the server
 ``server_process`` starts (``build_server``: its channels-last private predictor model,
-the predictor saving conv activations for the trainer unless ``--no-replay-activations``, its trainer with the
+the predictor saving conv activations for the trainer with ``--replay-activations``, its trainer with the
 channels-last working copy, ``GradientHandoff`` and the step lock); the agent's ``EnvRunner``s on real Pong.
 The predictor and the agent are stepped in this thread instead of their own (same calls, deterministic order).
 
@@ -61,12 +61,14 @@ def reference_optimizer(name, params, lr, amsgrad):
     return torch.optim.RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=False)
 
 
+R = "--replay-activations"
 CASES = [  # (optimizer, amsgrad, shared, extra flags)
-    ("Adam", False, True, []), ("Adam", True, True, []), ("RMSprop", False, True, []),
-    ("Adam", False, False, []), ("Adam", True, False, []), ("RMSprop", False, False, []),
-    ("Adam", False, True, ["--max-grad-norm", "0.5"]),
-    ("Adam", True, True, ["--is-clip", "1.0"]),
-    ("RMSprop", False, True, ["--no-replay-activations", "--max-grad-norm", "0.5", "--is-clip", "10"]),
+    ("Adam", False, True, [R]), ("Adam", True, True, [R]), ("RMSprop", False, True, [R]),
+    ("Adam", False, False, [R]), ("Adam", True, False, [R]), ("RMSprop", False, False, [R]),
+    ("Adam", False, True, [R, "--max-grad-norm", "0.5"]),
+    ("Adam", True, True, [R, "--is-clip", "1.0"]),
+    ("Adam", False, True, []),  # the default: every frame's convolutions run again
+    ("RMSprop", False, True, ["--max-grad-norm", "0.5", "--is-clip", "10"]),
 ]
 
 
@@ -84,7 +86,7 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
     args = build_parser().parse_args(flags)
     assert validate_ga3c(args) == []
     settings = Ga3cSettings.from_args(args)
-    assert settings.replay_activations == ("--no-replay-activations" not in extra)
+    assert settings.replay_activations == (R in extra)
 
     # main.py
     factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)

@@ -120,7 +120,7 @@ def close(a, b, device):
 
 def with_activations(model, segments):
     """The segments, each carrying the conv activations ``model`` computes for its frames (what a predictor saves
-    with ``--replay-activations``, the default)."""
+    with ``--replay-activations``)."""
     from ga3c.segment import ACT_FIELDS, activation_rows, cat_rows
     from model import ActivationCache
 
@@ -187,7 +187,7 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
 def test_a_ga3c_predictor_on_its_device_acts_and_saves_activations_as_the_cpu_model(device):
     """A predictor on ``device`` with a private channels-last copy (as the server builds it) answers as the shared
-    model stepping each slot alone on the CPU; with ``save_activations`` (the default ``--replay-activations``)
+    model stepping each slot alone on the CPU; with ``save_activations`` (``--replay-activations``)
     its segments carry, on its device, each frame's conv activations: the block inputs and outputs that model
     computes, and max-pool indices that pick a maximum of each window."""
     import torch.nn.functional as F

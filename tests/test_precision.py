@@ -3,7 +3,8 @@
 Production path: the objects ``main.py`` builds (the shared float32 model and the shared optimizer from
 ``make_optimizer``), an A3G worker's channels-last model in the run's precision acting with its
 ``ActivationCache`` and updating with ``train.update``; GA3C's ``build_server`` (its predictor and trainer in the
-run's precision, the predictor saving bf16 conv activations that the trainer replays) on real Pong.
+run's precision; with ``--replay-activations`` the predictor saving bf16 conv activations that the trainer replays,
+without it the trainer running the encoder again in bf16) on real Pong.
 
 Two references for every update, both loaded with the weights that acted:
 - the slow bf16 reference: a contiguous model whose convolutions run in bf16 too (``set_precision``), upstream's
@@ -183,7 +184,8 @@ def test_a3g_bf16_update_matches_the_references(tmp_path, name, amsgrad):
         env.close()
 
 
-def test_ga3c_bf16_update_matches_the_references(tmp_path):
+@pytest.mark.parametrize("replay", [False, True], ids=["default", "replay-activations"])
+def test_ga3c_bf16_update_matches_the_references(tmp_path, replay):
     from conftest import collect_batch, segments_reference_backward
     from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
     from ga3c.run import Ga3cRun
@@ -193,8 +195,8 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path):
     args = build_parser().parse_args([
         "--mode", "ga3c", "--precision", "bf16", "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
         "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--log-dir", str(tmp_path),
-        "--save-model-dir", str(tmp_path)])
-    assert validate(args) == [] and args.compute_precision == "bf16"
+        "--save-model-dir", str(tmp_path)] + (["--replay-activations"] if replay else []))
+    assert validate(args) == [] and args.compute_precision == "bf16" and args.replay_activations == replay
     settings = Ga3cSettings.from_args(args)
     assert settings.compute_precision == "bf16"
     factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
@@ -218,7 +220,10 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path):
         for u in range(3):
             acted = {k: v.clone() for k, v in shared_model.state_dict().items()}
             batch = collect_batch(predictor, stepper, server.segments, settings.train_batch)
-            assert all(seg.acts is not None and seg.acts[0].dtype == torch.bfloat16 for seg in batch)
+            if replay:  # the predictor saved bf16 activations, which the trainer replays
+                assert all(seg.acts is not None and seg.acts[0].dtype == torch.bfloat16 for seg in batch)
+            else:
+                assert all(seg.acts is None for seg in batch)
             result = trainer.update(batch)
             assert result.lag_max == 0
             assert {t.dtype for t in result.loss} == {torch.float32}

@@ -1,4 +1,4 @@
-"""GA3C's update on segments that lag: with ``--replay-activations`` (the default) a trainer whose weights moved
+"""GA3C's update on segments that lag: with ``--replay-activations`` a trainer whose weights moved
 since the predictor acted (k >= 1 real optimizer updates in between, on real Pong segments) computes the gradient
 at the weights it holds, equal to upstream's step-by-step forward with those weights; the lag benchmark
 (``benchmarks/replay_lag.py``) runs with tiny sizes and says how far the replayed (mixed) gradient would be."""
