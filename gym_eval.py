@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_env_flags(p, log_dir_short="-lgd")
     p.add_argument("--num-episodes", "-ne", type=int, default=100, help="games to play (default: %(default)s)")
     p.add_argument("--load-model-dir", "-lmd", default="trained_models/",
-                   help="where <env>.dat is looked for (default: %(default)s)")
+                   help="where <env>.dat is looked for, or else a model whose card names <env> under default_for "
+                        "(default: %(default)s)")
     p.add_argument("--model-file", "-mf", default=None,
                    help="a model file to evaluate instead of <load-model-dir>/<env>.dat: a path, or a name in "
                         "--load-model-dir (with or without .dat); .dat and .ckpt files both work")
@@ -72,9 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_model_file(load_model_dir: str | Path, env_id: str) -> Path:
+    """``<load_model_dir>/<env>.dat`` where it exists; else the model whose card (``<stem>.json`` beside it) lists
+    ``env_id`` under ``default_for`` (one model trained on ``Pong-v0`` also serves ``ALE/Pong-v5``); else the
+    ``<env>.dat`` path, which does not exist."""
+    exact = model_path(load_model_dir, env_id)
+    if exact.is_file():
+        return exact
+    for card_path in sorted(Path(load_model_dir).glob("*.json")):
+        try:
+            card = json.loads(card_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(card, dict) and env_id in (card.get("default_for") or []):
+            model = card_path.parent / str(card.get("model_file", ""))
+            if model.is_file() and model.suffix == ".dat":
+                return model
+    return exact
+
+
 def resolve_model_file(args: argparse.Namespace) -> Path:
     if args.model_file is None:
-        return model_path(args.load_model_dir, args.env)
+        return default_model_file(args.load_model_dir, args.env)
     given = Path(args.model_file)
     candidates = [given, Path(args.load_model_dir) / given, Path(args.load_model_dir) / f"{safe_name(str(given))}.dat"]
     for c in candidates:

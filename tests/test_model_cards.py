@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint import model_path
 from conftest import ROOT, run_entry
 
 MODEL_SUFFIX = ".dat"  # what trained_models/ ships (upstream's format); .ckpt and temporary files are gitignored
@@ -108,6 +109,23 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
     return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
 
 
+def _default_for_problems(card: dict, models_dir: Path, name: str, served: dict[str, str]) -> list[str]:
+    """``default_for`` (optional): the env ids for which ``gym_eval.py`` picks this model when the folder has no
+    ``<env>.dat``. Each must be evaluated in the card, named by no other card, and not shadowed by such a file."""
+    found = []
+    evaluated = {e["env"] for e in card["evaluations"]}
+    for env_id in card.get("default_for", []):
+        if env_id not in evaluated:
+            found.append(f"{name}: default_for {env_id}, which the card has no evaluation on")
+        if env_id in served:
+            found.append(f"{name}: default_for {env_id}, which {served[env_id]} names too")
+        served.setdefault(env_id, name)
+        exact = model_path(models_dir, env_id)
+        if exact.is_file() and exact.name != card["model_file"]:
+            found.append(f"{name}: default_for {env_id}, but {exact.name} is that env's own model")
+    return found
+
+
 def card_problems(models_dir: Path, repo: Path) -> list[str]:
     """Every problem with the model cards in ``models_dir``, one line each; [] when there is none.
 
@@ -118,6 +136,7 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
     problems = [f"{m.name}: no card ({m.stem}.json)" for m in models if not m.with_suffix(".json").is_file()]
     problems += [f"{c.name}: no model file ({c.stem}{MODEL_SUFFIX})" for c in cards
                  if not c.with_suffix(MODEL_SUFFIX).is_file()]
+    served: dict[str, str] = {}  # env id -> the card that names it under default_for
     for card_path in cards:
         model, name = card_path.with_suffix(MODEL_SUFFIX), card_path.name
         try:
@@ -138,6 +157,7 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
             if card["bytes"] != model.stat().st_size:
                 problems.append(f"{name}: bytes {card['bytes']}, the file has {model.stat().st_size}")
         problems += _training_problems(card["training"], repo, name)
+        problems += _default_for_problems(card, models_dir, name, served)
         problems += _evaluation_problems(card, model, repo, name)
     return problems
 
@@ -235,6 +255,45 @@ def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_cop
     problems = card_problems(models, repo_copy)
     assert "PongNoFrameskip-v4.dat: no card (PongNoFrameskip-v4.json)" in problems
     assert "BreakoutNoFrameskip-v4.json: no model file (BreakoutNoFrameskip-v4.dat)" in problems
+
+
+def test_default_for_problems_are_reported(repo_copy):
+    models = repo_copy / "trained_models"
+    _edit_card(repo_copy, lambda c: c.update(default_for=["PongNoFrameskip-v0"]))  # evaluated there: fine
+    assert card_problems(models, repo_copy) == []
+    _edit_card(repo_copy, lambda c: c.update(default_for=["ALE/Pong-v5"]))
+    assert ("PongNoFrameskip-v4.json: default_for ALE/Pong-v5, which the card has no evaluation on"
+            in card_problems(models, repo_copy))
+    _edit_card(repo_copy, lambda c: c.update(default_for=["PongNoFrameskip-v0"]))
+    (models / "PongNoFrameskip-v0.dat").symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
+    assert ("PongNoFrameskip-v4.json: default_for PongNoFrameskip-v0, but PongNoFrameskip-v0.dat is that env's own "
+            "model" in card_problems(models, repo_copy))
+    (models / "PongNoFrameskip-v0.dat").unlink()
+    other = json.loads((models / "PongNoFrameskip-v4.json").read_text())
+    (models / "Pong-v0.json").write_text(json.dumps(dict(other, model_file="Pong-v0.dat")))
+    (models / "Pong-v0.dat").symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
+    assert ("PongNoFrameskip-v4.json: default_for PongNoFrameskip-v0, which Pong-v0.json names too"
+            in card_problems(models, repo_copy))  # cards are read in name order
+
+
+def test_gym_eval_finds_a_model_by_its_own_name_or_by_a_cards_default_for(tmp_path):
+    from gym_eval import default_model_file
+
+    models = tmp_path / "trained_models"
+    models.mkdir()
+    (models / "Pong-v0.dat").write_bytes(b"model")
+    card = {"model_file": "Pong-v0.dat", "default_for": ["ALE/Pong-v5"]}
+    assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"  # no card yet: the own name
+    (models / "Pong-v0.json").write_text(json.dumps(card))
+    (models / "notes.json").write_text("not JSON")  # skipped
+    assert default_model_file(models, "ALE/Pong-v5") == models / "Pong-v0.dat"
+    assert default_model_file(models, "Pong-v0") == models / "Pong-v0.dat"
+    assert default_model_file(models, "BreakoutNoFrameskip-v4") == models / "BreakoutNoFrameskip-v4.dat"
+    (models / "ALE_Pong-v5.dat").write_bytes(b"its own")  # an env's own file comes first
+    assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"
+    (models / "ALE_Pong-v5.dat").unlink()
+    (models / "Pong-v0.dat").unlink()  # a card whose model is gone names nothing
+    assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"
 
 
 def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
