@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anneal the learning rate linearly from --lr to 0 at this many global agent steps, where "
                         "the run stops (as A3C's paper did); 0 = a constant --lr (default: %(default)s)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
+    p.add_argument("--entropy-anneal-steps", type=int, default=0,
+                   help="anneal the entropy bonus weight linearly from --entropy-coef to 0 at this many global agent "
+                        "steps; training goes on without it after that; 0 = a constant --entropy-coef (default: "
+                        "%(default)s)")
     p.add_argument("--value-coef", "-vc", type=float, default=0.5,
                    help="value loss weight; 0.5 is upstream's fixed factor (default: %(default)s)")
     p.add_argument("--gamma", "-g", type=float, default=0.99, help="discount (default: %(default)s)")
@@ -251,6 +255,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.max_steps >= 0, f"--max-steps must be >= 0 (0 = no limit), got {args.max_steps}"),
         (args.lr_anneal_steps >= 0,
          f"--lr-anneal-steps must be >= 0 (0 = a constant --lr), got {args.lr_anneal_steps}"),
+        (args.entropy_anneal_steps >= 0,
+         f"--entropy-anneal-steps must be >= 0 (0 = a constant --entropy-coef), got {args.entropy_anneal_steps}"),
         (args.max_seconds >= 0, f"--max-seconds must be >= 0 (0 = no limit), got {args.max_seconds}"),
         (args.score_window >= 1, f"--score-window must be >= 1, got {args.score_window}"),
         (args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = off), got {args.max_grad_norm}"),
@@ -338,9 +344,10 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
         return errors
     if not args.ray_address.strip():
         errors.append("--ray-address is empty: give auto, HOST:PORT or local")
-    if args.lr_anneal_steps:
-        errors.append("--lr-anneal-steps needs the global step count in every worker, which Ray nodes do not have: "
-                      "drop --lr-anneal-steps or --ray-address")
+    for flag in ("--lr-anneal-steps", "--entropy-anneal-steps"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            errors.append(f"{flag} needs the global step count in every worker, which Ray nodes do not have: "
+                          f"drop {flag} or --ray-address")
     if args.mode == "ga3c":
         errors.append("--ray-address runs A3G nodes; GA3C mode runs on one machine (drop --mode ga3c or "
                       "--ray-address)")

@@ -48,7 +48,8 @@ from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
 from run_state import StartError  # noqa: E402
-from shared_optim import annealed_lr, make_optimizer  # noqa: E402
+from schedules import linear_anneal  # noqa: E402
+from shared_optim import make_optimizer  # noqa: E402
 from utils import safe_name, setup_logger  # noqa: E402
 
 
@@ -259,9 +260,11 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    if args.lr_anneal_steps:
-        log.info(f"learning rate {args.lr:g} annealed linearly to 0 at {args.lr_anneal_steps:,} global steps "
-                 f"(now {annealed_lr(args.lr, run.global_steps.value, args.lr_anneal_steps):.3g})")
+    for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),
+                                ("entropy bonus", args.entropy_coef, args.entropy_anneal_steps)):
+        if anneal:
+            log.info(f"{what} {start:g} annealed linearly to 0 at {anneal:,} global steps "
+                     f"(now {linear_anneal(start, run.global_steps.value, anneal):.3g})")
     log.info(f"models: {args.save_model_dir} | logs: {args.log_dir}"
              + (f" | tensorboard --logdir {Path(args.log_dir) / 'runs'}" if args.tensorboard_logger else ""))
 

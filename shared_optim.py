@@ -137,15 +137,6 @@ class RMSprop(_LayoutSafeStep, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` (foreach) whose step first gives every gradient its parameter's layout."""
 
 
-def annealed_lr(lr: float, steps: int, anneal_steps: int) -> float:
-    """The learning rate after ``steps`` global agent steps: ``lr`` falling linearly to 0 at ``anneal_steps``
-    (Mnih et al. 2016, section 8: annealed to zero over the course of training), 0 from there on; ``lr`` itself when
-    ``anneal_steps`` is 0 (no schedule)."""
-    if anneal_steps <= 0:
-        return lr
-    return lr * max(0.0, 1.0 - steps / anneal_steps)
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Give every parameter group of ``optimizer`` the learning rate ``lr``. The groups are per process: a worker or
     trainer sets its own copy's before each step; the statistics stay shared, and the main process's copy (the one

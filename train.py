@@ -13,16 +13,20 @@ from model import A3Clstm
 from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
 from precision import compute_dtype
 from run_state import RunState
-from shared_optim import annealed_lr, make_optimizer, set_lr
+from schedules import linear_anneal
+from shared_optim import make_optimizer, set_lr
 from utils import describe_failure, setup_child_process, use_device, worker_device
 
 
 def update(model: A3Clstm, rollout: Rollout, handoff: GradientHandoff, optimizer: torch.optim.Optimizer,
-           args: Namespace) -> tuple[A3CLoss, float]:
+           args: Namespace, entropy_coef: float | None = None) -> tuple[A3CLoss, float]:
     """One A3C update from ``rollout``, exactly as every worker makes it: replay the rollout through the local
     ``model`` (which acted it), backward, clip to ``--max-grad-norm`` when set, hand the gradients to the shared
-    model and step ``optimizer`` on it. Returns the loss terms and the gradient's L2 norm before clipping."""
-    loss = rollout_loss(model, rollout, gamma=args.gamma, tau=args.tau, entropy_coef=args.entropy_coef,
+    model and step ``optimizer`` on it. ``entropy_coef``: the entropy bonus weight (default ``--entropy-coef``).
+    Returns the loss terms and the gradient's L2 norm before clipping."""
+    if entropy_coef is None:
+        entropy_coef = args.entropy_coef
+    loss = rollout_loss(model, rollout, gamma=args.gamma, tau=args.tau, entropy_coef=entropy_coef,
                         value_coef=args.value_coef)
     params = [p for p, _ in handoff.pairs]
     model.zero_grad(set_to_none=True)
@@ -67,9 +71,11 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
             break
         sync_weights(model, shared_model)
         rollout = agent.rollout(num_steps)
+        steps_now = run.global_steps.value
         if args.lr_anneal_steps:
-            set_lr(optimizer, annealed_lr(args.lr, run.global_steps.value, args.lr_anneal_steps))
-        loss, grad_norm = update(model, rollout, handoff, optimizer, args)
+            set_lr(optimizer, linear_anneal(args.lr, steps_now, args.lr_anneal_steps))
+        entropy_coef = linear_anneal(args.entropy_coef, steps_now, args.entropy_anneal_steps)
+        loss, grad_norm = update(model, rollout, handoff, optimizer, args, entropy_coef)
         updates += 1
         steps = rollout.actions.shape[0]
         run.add_steps(rank, steps)

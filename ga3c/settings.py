@@ -24,6 +24,7 @@ class Ga3cSettings:
     compute_precision: str = "fp32"  # the conv encoder's, in predictors and trainers (precision.py)
     lr: float = 1e-4  # the start of the learning-rate schedule (the optimizer is built with it)
     lr_anneal_steps: int = 0  # lr falls linearly to 0 at this many global agent steps; 0 = constant lr
+    entropy_anneal_steps: int = 0  # entropy_coef falls linearly to 0 at this many global steps; 0 = constant
 
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":
@@ -43,6 +44,7 @@ class Ga3cSettings:
             (self.is_clip is None or self.is_clip > 0, f"is_clip must be > 0 (or None = off), got {self.is_clip}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.lr_anneal_steps >= 0, f"lr_anneal_steps must be >= 0, got {self.lr_anneal_steps}"),
+            (self.entropy_anneal_steps >= 0, f"entropy_anneal_steps must be >= 0, got {self.entropy_anneal_steps}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
             (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "
                                                f"{self.compute_precision!r}"),

@@ -46,7 +46,8 @@ from losses import A3CLoss
 from model import A3Clstm, _Replay
 from precision import compute_dtype
 from player_util import GradientHandoff, sync_weights
-from shared_optim import annealed_lr, set_lr
+from schedules import linear_anneal
+from shared_optim import set_lr
 
 
 @dataclass
@@ -149,12 +150,15 @@ def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Te
     return value.squeeze(1), logits
 
 
-def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings) -> tuple[A3CLoss, torch.Tensor | None]:
-    """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set)."""
+def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings,
+               entropy_coef: float | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
+    """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set); ``entropy_coef``:
+    the entropy bonus weight (default ``settings.entropy_coef``)."""
     values, logits = batched_unroll(model, batch)
     return batched_a3c_loss(logits, values, batch.actions, batch.rewards, batch.bootstrap, batch.lengths,
                             mu=batch.mu, is_clip=settings.is_clip, gamma=settings.gamma, tau=settings.tau,
-                            entropy_coef=settings.entropy_coef, value_coef=settings.value_coef)
+                            entropy_coef=settings.entropy_coef if entropy_coef is None else entropy_coef,
+                            value_coef=settings.value_coef)
 
 
 @dataclass
@@ -199,7 +203,7 @@ class Trainer:
 
     def global_steps(self) -> int:
         """The run's global agent steps (``counters``' slots, the resumed base included; 0 without counters): where
-        ``--lr-anneal-steps``'s schedule stands."""
+        the ``--lr-anneal-steps`` and ``--entropy-anneal-steps`` schedules stand."""
         return int(self.counters.agent_steps.sum()) if self.counters is not None else 0
 
     def update(self, segments: list[Segment]) -> UpdateResult:
@@ -210,7 +214,9 @@ class Trainer:
             version = self.version()
             sync_weights(self.model, self.shared)
         batch = assemble(segments, self.device, version=version)
-        loss, w = batch_loss(self.model, batch, self.settings)
+        entropy_coef = linear_anneal(self.settings.entropy_coef, self.global_steps(),
+                                     self.settings.entropy_anneal_steps)
+        loss, w = batch_loss(self.model, batch, self.settings, entropy_coef)
         params = [p for p, _ in self.handoff.pairs]
         self.model.zero_grad(set_to_none=True)
         loss.total.backward()
@@ -227,7 +233,7 @@ class Trainer:
         with self.step_lock:
             self.handoff()
             if self.settings.lr_anneal_steps:
-                lr = annealed_lr(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)
+                lr = linear_anneal(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)
                 set_lr(self.optimizer, lr)
             self.optimizer.step()
             self.updates += 1

@@ -1,0 +1,267 @@
+"""``--lr-anneal-steps`` and ``--entropy-anneal-steps``: the learning rate and the entropy bonus weight fall
+linearly from ``--lr`` and ``--entropy-coef`` to 0 at that many global agent steps.
+
+The schedule is a pure function tested against hand-computed values; then the production paths: the A3G worker
+loop (``train.run_worker``) and GA3C's server-built trainer (``build_server``), each with its optimizer's ``step``
+wrapped so that every step is checked against ``torch.optim`` (``foreach=False``) stepped by hand on the same
+gradient with the schedule's learning rate at the global step count of that moment, and with the loss function they
+call wrapped to record the entropy weight it is given; then the flags' validation, and ``main.py`` end to end in
+GA3C mode, resumed with a longer schedule and with another ``--lr``.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import collect_batch
+from config import build_parser, validate, validate_ray
+from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
+from ga3c.run import Ga3cRun
+from ga3c.server import build_server
+from model import A3Clstm
+from run_state import RunState
+from schedules import linear_anneal
+from shared_optim import SharedAdam, make_optimizer, set_lr
+from train import run_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def test_linear_anneal_by_hand():  # the learning rate's and the entropy bonus's schedule
+    assert linear_anneal(1e-4, 0, 1000) == pytest.approx(1e-4)
+    assert linear_anneal(1e-4, 250, 1000) == pytest.approx(7.5e-5)
+    assert linear_anneal(1e-4, 999, 1000) == pytest.approx(1e-7)
+    assert linear_anneal(1e-4, 1000, 1000) == 0.0
+    assert linear_anneal(1e-4, 5000, 1000) == 0.0  # never negative
+    assert linear_anneal(1e-4, 10**9, 0) == 1e-4  # 0: no schedule
+
+
+def test_set_lr_sets_every_group():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=1e-3)
+    set_lr(opt, 2.5e-4)
+    assert [g["lr"] for g in opt.param_groups] == [2.5e-4, 2.5e-4]
+
+
+class CheckedStep:
+    """Wraps ``optimizer.step``: before each step, steps a ``torch.optim.Adam`` (``foreach=False``) on copies of the
+    parameters with their gradients at ``linear_anneal(lr, steps(), anneal)``; after it, the parameters must equal the
+    copies. Records the learning rates."""
+
+    def __init__(self, optimizer, params, lr, anneal, steps):
+        self.optimizer, self.params, self.lr, self.anneal, self.steps = optimizer, list(params), lr, anneal, steps
+        self.copies = [p.detach().clone().requires_grad_(True) for p in self.params]
+        self.reference = torch.optim.Adam(self.copies, lr=lr, eps=1e-3, foreach=False)
+        self.real_step = optimizer.step
+        self.lrs: list[float] = []
+        optimizer.step = self
+
+    def __call__(self, *a, **k):
+        expected = linear_anneal(self.lr, self.steps(), self.anneal)
+        for c, p in zip(self.copies, self.params):
+            assert p.grad is not None
+            c.grad = p.grad.detach().clone()
+            with torch.no_grad():
+                c.copy_(p)
+        for g in self.reference.param_groups:
+            g["lr"] = expected
+        self.reference.step()
+        out = self.real_step(*a, **k)
+        self.lrs.append(expected)
+        for c, p in zip(self.copies, self.params):
+            diff = (c.detach() - p.detach()).abs().max().item()
+            # float32 rounding of two step implementations: ~1e-8; a step at another lr: a sizeable part of lr
+            assert diff <= 1e-2 * self.lr, f"step {len(self.lrs)}: off the annealed step by {diff:.3g}"
+        return out
+
+
+def test_a3g_worker_steps_with_the_linear_anneal(tmp_path):
+    """The real worker loop, resumed at 50 global steps of a 200-step schedule: its four 20-step updates step at
+    lr x (1 - 50/200), (1 - 70/200), ..."""
+    args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--lr", "1e-3",
+                                      "--lr-anneal-steps", "200", "--log-dir", str(tmp_path),
+                                      "--save-model-dir", str(tmp_path)])
+    assert validate(args) == [] and args.max_steps == 200
+    torch.manual_seed(0)
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    opt = SharedAdam(shared.parameters(), lr=args.lr)
+    run = RunState(1)
+    run.global_steps.value = 50
+    check = CheckedStep(opt, shared.parameters(), args.lr, args.lr_anneal_steps, lambda: run.global_steps.value)
+    assert run_worker(0, args, shared, opt, run, CPU, max_updates=4) == 4
+    assert check.lrs == pytest.approx([7.5e-4, 6.5e-4, 5.5e-4, 4.5e-4])
+    # and the run stops at the schedule's end, where the learning rate reaches 0
+    assert run_worker(0, args, shared, opt, run, CPU) >= 1
+    assert 200 <= run.global_steps.value < 200 + args.num_steps
+    assert all(a > b for a, b in zip(check.lrs, check.lrs[1:])) and check.lrs[-1] > 0
+
+
+def test_a3g_worker_without_a_schedule_keeps_the_lr(tmp_path):
+    args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--lr", "1e-3", "--max-steps", "0",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    assert validate(args) == [] and args.lr_anneal_steps == 0 and args.max_steps == 0
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    opt = SharedAdam(shared.parameters(), lr=args.lr)
+    run = RunState(1)
+    run.global_steps.value = 10**6
+    check = CheckedStep(opt, shared.parameters(), args.lr, 0, lambda: run.global_steps.value)
+    run_worker(0, args, shared, opt, run, CPU, max_updates=2)
+    assert check.lrs == [1e-3, 1e-3]
+
+
+@pytest.mark.parametrize("shared_optimizer", [True, False], ids=["shared", "private"])
+def test_ga3c_trainer_steps_with_the_linear_anneal(tmp_path, shared_optimizer):
+    """The server's trainer, as ``server_process`` builds it, with the run's counters resumed at 300 steps of a
+    1,000-step schedule: each update steps at the schedule's lr for the global step count when it steps (the
+    agent's steps counted meanwhile included)."""
+    flags = ["--mode", "ga3c", "--lr", "1e-3", "--lr-anneal-steps", "1000", "--agents", "1", "--envs-per-agent",
+             "3", "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--hidden-size", "32",
+             "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
+    args = build_parser().parse_args(flags + ([] if shared_optimizer else ["--no-shared-optimizer"]))
+    assert validate(args) == [] and args.max_steps == 1000
+    factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
+    envs = [factory(s) for s in range(args.envs_per_agent)]
+    torch.manual_seed(args.seed)
+    shared = A3Clstm(1, envs[0].action_space.n, args.hidden_size)
+    shared.share_memory()
+    optimizer = (make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+                 if args.shared_optimizer else None)
+    run = Ga3cRun(args, shared, optimizer, log=None)
+    try:
+        run.counters.restore(300, 0)
+        server = build_server(args, shared, optimizer, run.buffers, run.counters, run.run.stop)
+        (predictor,), (trainer,) = server.predictors, server.trainers
+        assert trainer.settings.lr == 1e-3 and trainer.settings.lr_anneal_steps == 1000
+        stepper = AgentStepper(0, [EnvRunner(s, envs[s], run.buffers, args.seed + s) for s in range(len(envs))],
+                               run.buffers, run.counters)
+        stepper.begin()
+        steps = lambda: int(run.counters.agent_steps.sum())  # noqa: E731
+        check = CheckedStep(trainer.optimizer, shared.parameters(), args.lr, 1000, steps)
+        for _ in range(3):
+            trainer.update(collect_batch(predictor, stepper, server.segments, 2))
+        assert len(check.lrs) == 3 and all(a >= b for a, b in zip(check.lrs, check.lrs[1:]))
+        assert 0 < check.lrs[-1] < check.lrs[0] <= 0.7 * args.lr - 1e-3 * 16 / 1000  # 300 + at least 16 steps
+        assert trainer.optimizer.param_groups[0]["lr"] == check.lrs[-1]
+    finally:
+        for env in envs:
+            env.close()
+        run.release()
+
+
+def test_the_flag_is_validated(tmp_path):
+    def check(*flags):
+        args = build_parser().parse_args(["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path), *flags])
+        return args, validate(args)
+
+    args, errors = check("--lr-anneal-steps", "-5")
+    assert errors == ["--lr-anneal-steps must be >= 0 (0 = a constant --lr), got -5"]
+    args, errors = check("--lr-anneal-steps", "3000000")
+    assert errors == [] and args.max_steps == 3_000_000  # the default 50M is cut to the schedule's end
+    args, errors = check("--lr-anneal-steps", "3000000", "--max-steps", "1000000")
+    assert errors == [] and args.max_steps == 1_000_000  # a smaller budget stays
+    args, errors = check("--lr-anneal-steps", "3000000", "--max-steps", "0")
+    assert errors == [] and args.max_steps == 3_000_000
+    args = build_parser().parse_args(["--ray-address", "local", "--lr-anneal-steps", "1000"])
+    assert any(e.startswith("--lr-anneal-steps needs the global step count") for e in validate_ray(args))
+
+
+def run_main(tmp_path, *flags):
+    cmd = [sys.executable, "main.py", "--env", "PongNoFrameskip-v4", "--mode", "ga3c", "--agents", "1",
+           "--envs-per-agent", "2", "--train-batch", "2", "--num-steps", "10", "--hidden-size", "32",
+           "--lr", "0.001", "--test-every-steps", "0", "--save-model-dir", str(tmp_path / "m"),
+           "--log-dir", str(tmp_path / "l"), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
+    out = run_main(tmp_path, "--lr-anneal-steps", "300", "--entropy-anneal-steps", "200")
+    assert "stop at 300 steps" in out
+    assert "entropy bonus 0.01 annealed linearly to 0 at 200 global steps (now 0.01)" in out
+    assert "learning rate 0.001 annealed linearly to 0 at 300 global steps (now 0.001)" in out
+    ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
+    steps = ckpt["global_steps"]
+    assert 300 <= steps < 400
+    # the trainers anneal their process's copy of the optimizer's settings; the checkpoint's is main's: --lr
+    assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
+    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--load")
+    now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
+    assert now == pytest.approx(linear_anneal(0.001, steps, 1000), rel=1e-2)
+    assert "changes the checkpoint's lr" not in out
+    out = run_main(tmp_path, "--lr-anneal-steps", "1100", "--lr", "0.002", "--load")
+    assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
+
+
+def test_a3g_worker_anneals_the_entropy_bonus(tmp_path, monkeypatch):
+    """The real worker loop at 100 global steps of a 400-step entropy schedule: its updates' losses get
+    0.01 x (1 - 100/400), (1 - 120/400), ...; the run does not stop at the schedule's end."""
+    import train
+    args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--entropy-anneal-steps", "400",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    assert validate(args) == [] and args.max_steps == 50_000_000
+    seen = []
+    real = train.rollout_loss
+    monkeypatch.setattr(train, "rollout_loss", lambda *a, **k: seen.append(k["entropy_coef"]) or real(*a, **k))
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = RunState(1)
+    run.global_steps.value = 100
+    assert run_worker(0, args, shared, SharedAdam(shared.parameters(), lr=1e-4), run, CPU, max_updates=3) == 3
+    assert seen == pytest.approx([0.0075, 0.007, 0.0065])
+    run.global_steps.value = 400
+    run_worker(0, args, shared, SharedAdam(shared.parameters(), lr=1e-4), run, CPU, max_updates=1)
+    assert seen[-1] == 0.0
+
+
+def test_ga3c_trainer_anneals_the_entropy_bonus(tmp_path, monkeypatch):
+    """The server-built trainer at 500 steps of a 1,000-step entropy schedule: the batched loss gets the
+    schedule's weight for the global step count when the update starts."""
+    import ga3c.trainer
+    flags = ["--mode", "ga3c", "--entropy-anneal-steps", "1000", "--agents", "1", "--envs-per-agent", "2",
+             "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--hidden-size", "32",
+             "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
+    args = build_parser().parse_args(flags)
+    assert validate(args) == []
+    seen = []
+    real = ga3c.trainer.batched_a3c_loss
+    monkeypatch.setattr(ga3c.trainer, "batched_a3c_loss",
+                        lambda *a, **k: seen.append((k["entropy_coef"], int(run.counters.agent_steps.sum())))
+                        or real(*a, **k))
+    factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
+    envs = [factory(s) for s in range(args.envs_per_agent)]
+    shared = A3Clstm(1, envs[0].action_space.n, args.hidden_size)
+    shared.share_memory()
+    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+    run = Ga3cRun(args, shared, optimizer, log=None)
+    try:
+        run.counters.restore(500, 0)
+        server = build_server(args, shared, optimizer, run.buffers, run.counters, run.run.stop)
+        (predictor,), (trainer,) = server.predictors, server.trainers
+        stepper = AgentStepper(0, [EnvRunner(s, envs[s], run.buffers, args.seed + s) for s in range(len(envs))],
+                               run.buffers, run.counters)
+        stepper.begin()
+        for _ in range(2):
+            trainer.update(collect_batch(predictor, stepper, server.segments, 2))
+        assert len(seen) == 2
+        for coef, steps in seen:
+            assert steps > 500 and coef == pytest.approx(0.01 * (1 - steps / 1000))
+        assert seen[1][0] < seen[0][0] < 0.005
+    finally:
+        for env in envs:
+            env.close()
+        run.release()
+
+
+def test_the_entropy_flag_is_validated(tmp_path):
+    args = build_parser().parse_args(["--entropy-anneal-steps", "-1", "--log-dir", str(tmp_path),
+                                      "--save-model-dir", str(tmp_path)])
+    assert validate(args) == ["--entropy-anneal-steps must be >= 0 (0 = a constant --entropy-coef), got -1"]
+    args = build_parser().parse_args(["--ray-address", "local", "--entropy-anneal-steps", "1000"])
+    assert any(e.startswith("--entropy-anneal-steps needs the global step count") for e in validate_ray(args))
