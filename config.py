@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_env_flags(p)
     p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
     p.add_argument("--lr-anneal-steps", type=int, default=0,
-                   help="anneal the learning rate linearly from --lr to 0 at this many global agent steps, where "
-                        "the run stops (as A3C's paper did); 0 = a constant --lr (default: %(default)s)")
+                   help="anneal the learning rate linearly from --lr to 0 at this many global agent steps (as A3C's "
+                        "paper did); the run stops there at the latest (a larger --max-steps, or 0, is cut to it); "
+                        "0 = a constant --lr (default: %(default)s)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
     p.add_argument("--entropy-anneal-steps", type=int, default=0,
                    help="anneal the entropy bonus weight linearly from --entropy-coef to 0 at this many global agent "
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(compute_precision="fp32")  # --precision resolved for the run's devices by validate()
     p.add_argument("--max-steps", type=int, default=50_000_000,
                    help="stop when the global agent-step count (all workers, resumed runs included) reaches "
-                        "this; 0 = no limit (default: %(default)s, i.e. 200M frames)")
+                        "this; 0 = no limit but --lr-anneal-steps's (default: %(default)s, i.e. 200M frames)")
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this many seconds; 0 = no limit")
     p.add_argument("--target-score", type=float, default=None,
                    help="stop when the monitor's mean over the last --score-window games reaches this")

@@ -85,10 +85,11 @@ def default_model_file(load_model_dir: str | Path, env_id: str) -> Path:
             card = json.loads(card_path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(card, dict) and env_id in (card.get("default_for") or []):
-            model = card_path.parent / str(card.get("model_file", ""))
-            if model.is_file() and model.suffix == ".dat":
-                return model
+        if not isinstance(card, dict) or not isinstance(card.get("default_for"), list):
+            continue
+        model = card_path.with_suffix(".dat")
+        if env_id in card["default_for"] and card.get("model_file") == model.name and model.is_file():
+            return model
     return exact
 
 

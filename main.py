@@ -250,7 +250,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
 
     if resume_ckpt is not None:
-        was = (resume_ckpt.get("config") or {}).get("compute_precision", "fp32")
+        saved_config = resume_ckpt.get("config") or {}
+        changed = [f"--{k.replace('_', '-')} {saved_config.get(k, 0):,} -> {getattr(args, k):,}"
+                   for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
+        if changed:
+            log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
+        was = saved_config.get("compute_precision", "fp32")
         if was != args.compute_precision:
             log.info(f"the checkpoint was trained in {was}; this run goes on in {args.compute_precision} (the files "
                      f"are float32 in either)")
@@ -295,7 +300,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             steps = run.global_steps.value
             budget_reached = bool(args.max_steps) and steps >= args.max_steps
             if budget_reached:
-                reason = f"reached --max-steps {args.max_steps:,}"
+                reason = (f"reached the end of --lr-anneal-steps {args.lr_anneal_steps:,} (the learning rate is 0)"
+                          if args.lr_anneal_steps == args.max_steps else f"reached --max-steps {args.max_steps:,}")
                 break
             if args.max_seconds and now - start >= args.max_seconds:
                 reason = f"reached --max-seconds {args.max_seconds:g}"
@@ -352,7 +358,10 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         rate = (run.global_steps.value - (resume_ckpt or {}).get("global_steps", 0)) / max(elapsed, 1e-9)
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
                  f"{elapsed:.0f} s; {ckpt_note}")
-        if checkpoint_path(args.save_model_dir, args.env).is_file():
+        if reason.startswith("reached the end of --lr-anneal-steps"):
+            log.info("to train on, resume (--load) with a larger --lr-anneal-steps: the learning rate goes on from "
+                     "where that schedule puts it")
+        elif checkpoint_path(args.save_model_dir, args.env).is_file():
             log.info(f"resume with: {resume_command(argv, args, reason)}")
         if tb is not None:
             tb.close()

@@ -24,6 +24,10 @@ mode in the first precision listed.
 Also timed: the first conv block's backward in one piece against pieces of ``model.FIRST_BLOCK_CHUNK`` frames,
 and with ``--lagged`` the GA3C update on segments acted on by an older model version: a trainer replays only the
 activations of frames acted on by the weights it holds, so these run the conv encoder again (``ga3c.trainer``).
+
+The GA3C pieces above are those of ``--replay-activations`` (the predictor saves activations, the update at lag 0
+replays them). A GA3C run's default saves none and runs the encoder again for every frame: its update is the
+``--lagged`` one, and its acting forward saves nothing (a little cheaper than the one timed here).
 """
 from __future__ import annotations
 

@@ -347,3 +347,20 @@ def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(tm
     assert lines[summary_at + 1] == expected, r.stdout[-2000:]
     assert summary["card"] == {"path": str(shipped.with_suffix(".json")), "trained_on": card["env"], "evaluation": e,
                                "same_file": True, "line": expected}
+
+
+def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_path):
+    from gym_eval import default_model_file
+
+    models = tmp_path / "trained_models"
+    models.mkdir()
+    (models / "Pong-v0.dat").write_bytes(b"model")
+    card = models / "Pong-v0.json"
+    card.write_text(json.dumps({"model_file": "Pong-v0.dat", "default_for": "ALE/Pong-v5"}))  # a string
+    assert default_model_file(models, "Pong-v5") == models / "Pong-v5.dat"  # not a substring match
+    assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"
+    card.write_text(json.dumps({"model_file": "Other.dat", "default_for": ["ALE/Pong-v5"]}))  # not its file
+    (models / "Other.dat").write_bytes(b"model")
+    assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"
+    card.write_text(json.dumps({"model_file": "Pong-v0.dat", "default_for": ["ALE/Pong-v5"]}))
+    assert default_model_file(models, "ALE/Pong-v5") == models / "Pong-v0.dat"

@@ -79,26 +79,38 @@ class CheckedStep:
         return out
 
 
-def test_a3g_worker_steps_with_the_linear_anneal(tmp_path):
+@pytest.mark.parametrize("shared_optimizer", [True, False], ids=["shared", "private"])
+def test_a3g_worker_steps_with_the_annealed_lr(tmp_path, monkeypatch, shared_optimizer):
     """The real worker loop, resumed at 50 global steps of a 200-step schedule: its four 20-step updates step at
-    lr x (1 - 50/200), (1 - 70/200), ..."""
-    args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--lr", "1e-3",
-                                      "--lr-anneal-steps", "200", "--log-dir", str(tmp_path),
-                                      "--save-model-dir", str(tmp_path)])
+    lr x (1 - 50/200), (1 - 70/200), ...; with ``--no-shared-optimizer``, the private optimizer it builds. Then it
+    goes on to the schedule's end, where the learning rate reaches 0, and stops there."""
+    import train
+    flags = ["--workers", "1", "--hidden-size", "32", "--lr", "1e-3", "--lr-anneal-steps", "200", "--log-dir",
+             str(tmp_path), "--save-model-dir", str(tmp_path)]
+    args = build_parser().parse_args(flags + ([] if shared_optimizer else ["--no-shared-optimizer"]))
     assert validate(args) == [] and args.max_steps == 200
     torch.manual_seed(0)
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
-    opt = SharedAdam(shared.parameters(), lr=args.lr)
     run = RunState(1)
     run.global_steps.value = 50
-    check = CheckedStep(opt, shared.parameters(), args.lr, args.lr_anneal_steps, lambda: run.global_steps.value)
+    checks = []
+
+    def checked(opt):
+        checks.append(CheckedStep(opt, shared.parameters(), args.lr, args.lr_anneal_steps,
+                                  lambda: run.global_steps.value))
+        return opt
+
+    opt = checked(SharedAdam(shared.parameters(), lr=args.lr)) if shared_optimizer else None
+    if not shared_optimizer:  # the one run_worker builds for itself
+        real = train.make_optimizer
+        monkeypatch.setattr(train, "make_optimizer", lambda *a, **k: checked(real(*a, **k)))
     assert run_worker(0, args, shared, opt, run, CPU, max_updates=4) == 4
-    assert check.lrs == pytest.approx([7.5e-4, 6.5e-4, 5.5e-4, 4.5e-4])
-    # and the run stops at the schedule's end, where the learning rate reaches 0
+    assert len(checks) == 1 and checks[0].lrs == pytest.approx([7.5e-4, 6.5e-4, 5.5e-4, 4.5e-4])
     assert run_worker(0, args, shared, opt, run, CPU) >= 1
     assert 200 <= run.global_steps.value < 200 + args.num_steps
-    assert all(a > b for a, b in zip(check.lrs, check.lrs[1:])) and check.lrs[-1] > 0
+    lrs = [lr for c in checks for lr in c.lrs]
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 0
 
 
 def test_a3g_worker_without_a_schedule_keeps_the_lr(tmp_path):
@@ -184,6 +196,8 @@ def run_main(tmp_path, *flags):
 def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     out = run_main(tmp_path, "--lr-anneal-steps", "300", "--entropy-anneal-steps", "200")
     assert "stop at 300 steps" in out
+    assert "stopped: reached the end of --lr-anneal-steps 300 (the learning rate is 0)" in out
+    assert "resume with:" not in out and "resume (--load) with a larger --lr-anneal-steps" in out
     assert "entropy bonus 0.01 annealed linearly to 0 at 200 global steps (now 0.01)" in out
     assert "learning rate 0.001 annealed linearly to 0 at 300 global steps (now 0.001)" in out
     ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
@@ -195,6 +209,9 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
     assert now == pytest.approx(linear_anneal(0.001, steps, 1000), rel=1e-2)
     assert "changes the checkpoint's lr" not in out
+    assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 300 -> 1,000, "
+            "--entropy-anneal-steps 200 -> 0") in out
+    assert "stopped: reached the end of --lr-anneal-steps 1,000" in out
     out = run_main(tmp_path, "--lr-anneal-steps", "1100", "--lr", "0.002", "--load")
     assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
 
