@@ -93,11 +93,17 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     return shlex.join(["python", script, *out, "--load"])
 
 
-def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float, precision: str) -> None:
-    """One status line in the training log (ending with the run's precision) and, with --tensorboard-logger, the
-    same numbers in TensorBoard."""
+def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float, args: Namespace) -> None:
+    """One status line in the training log (ending with the scheduled learning rate and entropy weight where
+    annealed, and the run's precision) and, with --tensorboard-logger, the same numbers in TensorBoard."""
     line, scalars = mode.status(rate, span)
-    log.info(f"{line} | {precision}")
+    if args.lr_anneal_steps:
+        scalars["charts/learning_rate"] = linear_anneal(args.lr, steps, args.lr_anneal_steps)
+        line += f" | lr {scalars['charts/learning_rate']:.3g}"
+    if args.entropy_anneal_steps:
+        scalars["charts/entropy_coef"] = linear_anneal(args.entropy_coef, steps, args.entropy_anneal_steps)
+        line += f" | entropy-coef {scalars['charts/entropy_coef']:.3g}"
+    log.info(f"{line} | {args.compute_precision}")
     if tb is None:
         return
     for name, value in scalars.items():
@@ -326,7 +332,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                 last_ckpt = now
             if now - last_status >= args.status_every_seconds:
                 report_status(log, tb, mode, steps, (steps - status_steps) / (now - last_status), now - last_status,
-                              args.compute_precision)
+                              args)
                 last_status, status_steps = now, steps
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -339,7 +345,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if procs:  # the last stretch's losses and speed, so that even a short run logs them once
             span = max(time.time() - last_status, 1e-9)
             report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span,
-                          args.compute_precision)
+                          args)
         for role, text in run.errors.read_all() + mode.errors():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
