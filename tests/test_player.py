@@ -276,8 +276,8 @@ def test_a_worker_records_per_step_losses_for_the_status_line(tmp_path, monkeypa
     seen = []
     real_update = train.update
 
-    def recording_update(model, rollout, handoff, optimizer, args):
-        loss, grad_norm = real_update(model, rollout, handoff, optimizer, args)
+    def recording_update(model, rollout, handoff, optimizer, args, entropy_coef=None):
+        loss, grad_norm = real_update(model, rollout, handoff, optimizer, args, entropy_coef)
         seen.append((rollout.actions.shape[0], loss.policy.item(), loss.value.item(), loss.entropy.item(), grad_norm))
         return loss, grad_norm
 
