@@ -47,15 +47,22 @@ def test_set_lr_sets_every_group():
     assert [g["lr"] for g in opt.param_groups] == [2.5e-4, 2.5e-4]
 
 
-class CheckedStep:
-    """Wraps ``optimizer.step``: before each step, steps a ``torch.optim.Adam`` (``foreach=False``) on copies of the
-    parameters with their gradients at ``linear_anneal(lr, steps(), anneal)``; after it, the parameters must equal the
-    copies. Records the learning rates."""
+def reference_optimizer(name, params, lr, amsgrad):
+    """``torch.optim``'s plain loop with the settings ``make_optimizer`` gives (upstream A3G's eps and alpha)."""
+    if name == "Adam":
+        return torch.optim.Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad, foreach=False)
+    return torch.optim.RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=False)
 
-    def __init__(self, optimizer, params, lr, anneal, steps):
+
+class CheckedStep:
+    """Wraps ``optimizer.step``: before each step, steps the reference optimizer (``torch.optim``, ``foreach=False``)
+    on copies of the parameters with their gradients at ``linear_anneal(lr, steps(), anneal)``; after it, the
+    parameters must equal the copies. Records the learning rates."""
+
+    def __init__(self, optimizer, params, lr, anneal, steps, name="Adam", amsgrad=False):
         self.optimizer, self.params, self.lr, self.anneal, self.steps = optimizer, list(params), lr, anneal, steps
         self.copies = [p.detach().clone().requires_grad_(True) for p in self.params]
-        self.reference = torch.optim.Adam(self.copies, lr=lr, eps=1e-3, foreach=False)
+        self.reference = reference_optimizer(name, self.copies, lr, amsgrad)
         self.real_step = optimizer.step
         self.lrs: list[float] = []
         optimizer.step = self
@@ -79,14 +86,18 @@ class CheckedStep:
         return out
 
 
+@pytest.mark.parametrize("name,amsgrad", [("Adam", False), ("Adam", True), ("RMSprop", False)],
+                         ids=["Adam", "AMSGrad", "RMSprop"])
 @pytest.mark.parametrize("shared_optimizer", [True, False], ids=["shared", "private"])
-def test_a3g_worker_steps_with_the_annealed_lr(tmp_path, monkeypatch, shared_optimizer):
+def test_a3g_worker_steps_with_the_annealed_lr(tmp_path, monkeypatch, shared_optimizer, name, amsgrad):
     """The real worker loop, resumed at 50 global steps of a 200-step schedule: its four 20-step updates step at
-    lr x (1 - 50/200), (1 - 70/200), ...; with ``--no-shared-optimizer``, the private optimizer it builds. Then it
-    goes on to the schedule's end, where the learning rate reaches 0, and stops there."""
+    lr x (1 - 50/200), (1 - 70/200), ...; for every optimizer, shared (``make_optimizer`` as ``main.py`` calls it)
+    or the private one ``run_worker`` builds. Then it goes on to the schedule's end, where the learning rate
+    reaches 0, and stops there."""
     import train
     flags = ["--workers", "1", "--hidden-size", "32", "--lr", "1e-3", "--lr-anneal-steps", "200", "--log-dir",
-             str(tmp_path), "--save-model-dir", str(tmp_path)]
+             str(tmp_path), "--save-model-dir", str(tmp_path), "--optimizer", name]
+    flags += ["--amsgrad"] if amsgrad else []
     args = build_parser().parse_args(flags + ([] if shared_optimizer else ["--no-shared-optimizer"]))
     assert validate(args) == [] and args.max_steps == 200
     torch.manual_seed(0)
@@ -98,10 +109,11 @@ def test_a3g_worker_steps_with_the_annealed_lr(tmp_path, monkeypatch, shared_opt
 
     def checked(opt):
         checks.append(CheckedStep(opt, shared.parameters(), args.lr, args.lr_anneal_steps,
-                                  lambda: run.global_steps.value))
+                                  lambda: run.global_steps.value, name, amsgrad))
         return opt
 
-    opt = checked(SharedAdam(shared.parameters(), lr=args.lr)) if shared_optimizer else None
+    opt = (checked(make_optimizer(name, shared.parameters(), args.lr, amsgrad, shared=True)) if shared_optimizer
+           else None)
     if not shared_optimizer:  # the one run_worker builds for itself
         real = train.make_optimizer
         monkeypatch.setattr(train, "make_optimizer", lambda *a, **k: checked(real(*a, **k)))
