@@ -139,14 +139,17 @@ def test_a3g_worker_without_a_schedule_keeps_the_lr(tmp_path):
     assert check.lrs == [1e-3, 1e-3]
 
 
+@pytest.mark.parametrize("name,amsgrad", [("Adam", False), ("Adam", True), ("RMSprop", False)],
+                         ids=["Adam", "AMSGrad", "RMSprop"])
 @pytest.mark.parametrize("shared_optimizer", [True, False], ids=["shared", "private"])
-def test_ga3c_trainer_steps_with_the_linear_anneal(tmp_path, shared_optimizer):
-    """The server's trainer, as ``server_process`` builds it, with the run's counters resumed at 300 steps of a
-    1,000-step schedule: each update steps at the schedule's lr for the global step count when it steps (the
-    agent's steps counted meanwhile included)."""
+def test_ga3c_trainer_steps_with_the_linear_anneal(tmp_path, shared_optimizer, name, amsgrad):
+    """The server's trainer, as ``server_process`` builds it, for every optimizer, with the run's counters resumed
+    at 300 steps of a 1,000-step schedule: each update steps at the schedule's lr for the global step count when it
+    steps (the agent's steps counted meanwhile included)."""
     flags = ["--mode", "ga3c", "--lr", "1e-3", "--lr-anneal-steps", "1000", "--agents", "1", "--envs-per-agent",
              "3", "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--hidden-size", "32",
-             "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
+             "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path), "--optimizer", name]
+    flags += ["--amsgrad"] if amsgrad else []
     args = build_parser().parse_args(flags + ([] if shared_optimizer else ["--no-shared-optimizer"]))
     assert validate(args) == [] and args.max_steps == 1000
     factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
@@ -166,7 +169,7 @@ def test_ga3c_trainer_steps_with_the_linear_anneal(tmp_path, shared_optimizer):
                                run.buffers, run.counters)
         stepper.begin()
         steps = lambda: int(run.counters.agent_steps.sum())  # noqa: E731
-        check = CheckedStep(trainer.optimizer, shared.parameters(), args.lr, 1000, steps)
+        check = CheckedStep(trainer.optimizer, shared.parameters(), args.lr, 1000, steps, name, amsgrad)
         for _ in range(3):
             trainer.update(collect_batch(predictor, stepper, server.segments, 2))
         assert len(check.lrs) == 3 and all(a >= b for a, b in zip(check.lrs, check.lrs[1:]))
