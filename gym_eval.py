@@ -167,7 +167,8 @@ def real_time_fps(args: argparse.Namespace) -> float:
 
 
 def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], device: torch.device, results) -> None:
-    """Play the games with these indices and put ``(index, score, length, frames_recorded)`` on ``results``."""
+    """Play the games with these indices and put ``(index, score, length, frames_recorded, points)`` on
+    ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward."""
     from player_util import play_game
 
     conf = load_env_config(args.env_config, args.env)
@@ -188,12 +189,14 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
             recorder = VideoWriter(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4", fps)
         try:
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
-            score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook)
+            points: list = []
+            score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook,
+                                         points=points)
         finally:
             if recorder is not None:
                 recorder.close()
             env.close()
-        results.put((i, score, length, recorder.frames if recorder else 0))
+        results.put((i, score, length, recorder.frames if recorder else 0, [list(p) for p in points]))
 
 
 def _worker(args, state_dict, games, results) -> None:
@@ -208,12 +211,35 @@ def _worker(args, state_dict, games, results) -> None:
     try:
         play_games(args, state_dict, games, worker_device([args.gpu_id], 0), results)
     except BaseException as e:  # pragma: no cover - reported to the parent
-        results.put(("error", repr(e), 0, 0))
+        results.put(("error", repr(e), 0, 0, []))
 
 
 def summarize(scores: list[float]) -> dict:
     return {"mean": statistics.fmean(scores), "std": statistics.pstdev(scores), "min": min(scores),
             "max": max(scores), "median": statistics.median(scores)}
+
+
+def points_lost(points: list[list]) -> dict | None:
+    """Where the games gave points away: ``points`` holds each game's ``[agent step, reward]`` pairs (non-zero
+    rewards, in order). None when no reward was negative; else ``{"points", "games", "first_point",
+    "first_point_steps"}``: the negative rewards' total, the games with any, the games whose first non-zero
+    reward was negative (in Pong, the opening serve lost), and the agent steps at which those came."""
+    lost = [sum(-r for _, r in game if r < 0) for game in points]
+    if not any(lost):
+        return None
+    first = [game[0][0] for game in points if game and game[0][1] < 0]
+    return {"points": sum(lost), "games": sum(1 for x in lost if x), "first_point": len(first),
+            "first_point_steps": first}
+
+
+def points_line(lost: dict, n: int) -> str:
+    """One line for ``points_lost``'s dict over ``n`` games."""
+    line = f"points given away: {lost['points']:g} in {lost['games']} of {n} games"
+    if lost["first_point"]:
+        steps = lost["first_point_steps"]
+        line += (f"; the game's first point in {lost['first_point']} of them (agent steps {min(steps)}-"
+                 f"{max(steps)})")
+    return line
 
 
 def card_claim(model: Path, env_id: str) -> dict | None:
@@ -292,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     scores: dict[int, float] = {}
     lengths: dict[int, int] = {}
     frames: dict[int, int] = {}
+    points: dict[int, list] = {}
     from tqdm import tqdm
     bar = tqdm(total=n, unit="game", disable=not sys.stderr.isatty(), file=sys.stderr)
 
@@ -300,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
 
         @staticmethod
         def put(item) -> None:
-            i, score, length, nframes = item
-            scores[i], lengths[i], frames[i] = score, length, nframes
+            i, score, length, nframes, game_points = item
+            scores[i], lengths[i], frames[i], points[i] = score, length, nframes, game_points
             mean = statistics.fmean(scores.values())
             log.info(f"Time {format_duration(time.time() - start)}, episode reward {score}, episode length {length}, "
                      f"reward mean {mean:.4f}")
@@ -357,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                f"{'' if args.compute_precision == 'fp32' else ', model in ' + args.compute_precision})")
     log.info(summary)
     print(summary, flush=True)
+    point_list = [points[i] for i in order]
+    lost = points_lost(point_list)
+    if lost is not None:
+        log.info(points_line(lost, n))
+        print(points_line(lost, n), flush=True)
     claim = card_claim(path, args.env)
     if claim is not None:
         try:
@@ -366,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info(claim["line"])
         print(claim["line"], flush=True)
     out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,
-           "lengths": [lengths[i] for i in order], "seed": args.seed, "protocol": proto,
+           "lengths": [lengths[i] for i in order], "points": point_list, "points_lost": lost,
+           "seed": args.seed, "protocol": proto,
            "precision": args.compute_precision, "card": claim,
            "wall_seconds": wall}
     if args.record:

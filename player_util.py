@@ -177,7 +177,7 @@ def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int | None = None,
-              should_stop=None, on_frame=None) -> tuple[float, int, bool]:
+              should_stop=None, on_frame=None, points: list | None = None) -> tuple[float, int, bool]:
     """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
 
     A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
@@ -187,7 +187,9 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
 
     Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart
     steps included, as the time limit counts them), and False when ``should_stop()`` became true mid-game.
-    ``on_frame(env)`` is called after every step (recording: one video frame per agent step).
+    ``on_frame(env)`` is called after every step (recording: one video frame per agent step). ``points``, when
+    given, gets ``(agent step, reward)`` appended for every step with a non-zero reward (the step counted from 1,
+    as ``length`` counts it).
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     ale = env.unwrapped.ale
@@ -201,6 +203,8 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
         obs, reward, terminated, truncated, _ = env.step(action)
         score += float(reward)
         length += 1
+        if points is not None and reward:
+            points.append((length, float(reward)))
         if on_frame is not None:
             on_frame(env)
         return obs, terminated or truncated

@@ -39,6 +39,10 @@ def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
                       "seed", "protocol"}
     assert a["episodes"] == 3 and len(a["scores"]) == len(a["lengths"]) == 3 and a["seed"] == 5
     assert all(isinstance(x, float) for x in a["scores"]) and all(isinstance(x, int) for x in a["lengths"])
+    assert len(a["points"]) == 3 and any(a["points"])  # each game's [agent step, reward] of every point
+    for game, score, length in zip(a["points"], a["scores"], a["lengths"]):
+        assert sum(r for _, r in game) == score and all(0 < step <= length for step, _ in game)
+        assert [step for step, _ in game] == sorted({step for step, _ in game})
     assert a["min"] <= a["mean"] <= a["max"] and a["std"] >= 0
     assert a["protocol"]["repeat_action_probability"] == 0.0 and a["protocol"]["episodic_life"] is False
     assert a["protocol"]["time_limit_agent_steps"] == 60 and "FIRE" in a["protocol"]["after_a_lost_life"]
@@ -46,9 +50,9 @@ def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
     log = (tmp_path / "logs/PongNoFrameskip-v4_mon_log").read_text()
     assert log.count("episode reward") == 3 and "3 games, mean" in log
     b, _ = evaluate(tmp_path, model_dir, "b", "--num-episodes", "3", "--seed", "5")
-    assert (b["scores"], b["lengths"]) == (a["scores"], a["lengths"])
+    assert (b["scores"], b["lengths"], b["points"]) == (a["scores"], a["lengths"], a["points"])
     c, _ = evaluate(tmp_path, model_dir, "c", "--num-episodes", "3", "--seed", "5", "--workers", "2")
-    assert (c["scores"], c["lengths"]) == (a["scores"], a["lengths"])
+    assert (c["scores"], c["lengths"], c["points"]) == (a["scores"], a["lengths"], a["points"])
 
 
 def test_sticky_actions_env_with_model_file(tmp_path, model_dir):
@@ -208,6 +212,20 @@ def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["episodes"] == 1 and summary["scores"][0] == 21  # it wins all 100 published games 21-0
     assert summary["precision"] == "fp32"  # the default: scores comparable across machines
+
+
+def test_points_lost_by_hand():
+    from gym_eval import points_lost, points_line
+    assert points_lost([[[10, 1.0]], [], [[5, 2.0], [9, 1.0]]]) is None  # no negative reward
+    games = [[[57, -1.0], [300, 1.0], [700, 1.0]],  # first point lost
+             [[60, 1.0], [200, -1.0], [250, -2.0]],  # two later losses, 3 points
+             [[80, 1.0]],
+             [[62, -1.0]]]  # first point lost
+    lost = points_lost(games)
+    assert lost == {"points": 5.0, "games": 3, "first_point": 2, "first_point_steps": [57, 62]}
+    assert points_line(lost, 4) == ("points given away: 5 in 3 of 4 games; the game's first point in 2 of them "
+                                    "(agent steps 57-62)")
+    assert points_line(points_lost([[[3, 1.0], [9, -1.0]]]), 1) == "points given away: 1 in 1 of 1 games"
 
 
 def test_time_to_score_levels_by_hand():

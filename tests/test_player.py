@@ -244,6 +244,18 @@ def test_pong_games_have_no_restarts():
     assert set(env.actions) == {0} and sum(n == 0 for n in spy.hx_norms) == 1
 
 
+def test_play_game_records_the_step_and_reward_of_every_point():
+    env = _ActionLog(atari_env("PongNoFrameskip-v4", load_env_config("config.json", "PongNoFrameskip-v4"),
+                               max_episode_length=800, episodic_life=False))
+    rewards = []
+    env.step = (lambda step: lambda a: (lambda out: (rewards.append(float(out[1])), out)[1])(step(a)))(env.step)
+    points: list = []
+    score, length, _ = play_game(_Spy(always_noop_model(env.action_space.n)), env, CPU, seed=0, points=points)
+    expected = [(i + 1, r) for i, r in enumerate(rewards) if r]
+    assert len(expected) >= 3 and score == sum(r for _, r in expected) < 0  # a paddle that never moves loses
+    assert points == expected and len(rewards) == length
+
+
 def test_the_learners_lstm_state_is_zeroed_after_a_lost_life_and_the_game_goes_on():
     torch.manual_seed(0)
     env = atari_env("BreakoutNoFrameskip-v4", load_env_config("config.json", "BreakoutNoFrameskip-v4"),
