@@ -23,6 +23,7 @@ if __name__ == "__mp_main__":  # an evaluation process: die with the main one (s
     lifeline.bind_to_parent()
 
 import argparse
+import csv
 import hashlib
 import json
 import multiprocessing as mp
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render or record every k-th game (default: %(default)s)")
     p.add_argument("--record", default=None, metavar="DIR",
                    help="write an H.264 mp4 of every --render-freq-th game to DIR")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write one CSV per game to DIR: for every step the policy chose, the action, reward, the "
+                        "critic's value and the policy's probabilities")
     p.add_argument("--new-gym-eval", "-nge", action="store_true",
                    help="removed (it used gym's Monitor); use --record DIR")
     p.add_argument("--gpu-id", "-gid", type=int, default=-1, help="GPU for the model; -1 = CPU (default)")
@@ -120,8 +124,9 @@ def validate(args: argparse.Namespace) -> list[str]:
                       "videos instead")
     if args.render and args.workers > 1:
         errors.append("--render shows games one at a time: use it with --workers 1")
-    if args.record is not None and Path(args.record).exists() and not Path(args.record).is_dir():
-        errors.append(f"--record '{args.record}' is a file, not a folder")
+    for flag, folder in (("--record", args.record), ("--trace", args.trace)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            errors.append(f"{flag} '{folder}' is a file, not a folder")
     gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
     errors += gpu_errors
     if not gpu_errors:
@@ -190,13 +195,29 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
         try:
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
             points: list = []
+            trace = [] if args.trace else None
             score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook,
-                                         points=points)
+                                         points=points, trace=trace)
+            if trace is not None:
+                write_trace(Path(args.trace) / f"{safe_name(args.env)}_game{i:03d}.csv", trace,
+                            env.unwrapped.get_action_meanings())
         finally:
             if recorder is not None:
                 recorder.close()
             env.close()
         results.put((i, score, length, recorder.frames if recorder else 0, [list(p) for p in points]))
+
+
+def write_trace(path: Path, trace: list, action_names: list[str]) -> None:
+    """``play_game``'s ``trace`` as CSV: ``step,action,reward,value`` and one probability column per action
+    (``p_NOOP``, ``p_FIRE``, ...), one row per step the policy chose; written whole, then renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "action", "reward", "value", *(f"p_{a}" for a in action_names)])
+        for step, action, reward, value, probs in trace:
+            w.writerow([step, action, f"{reward:g}", f"{value:.5f}", *(f"{p:.5f}" for p in probs)])
+    os.replace(tmp, path)
 
 
 def _worker(args, state_dict, games, results) -> None:
@@ -304,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     keep_freed_memory()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    if args.record:
-        Path(args.record).mkdir(parents=True, exist_ok=True)
+    for folder in (args.record, args.trace):
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
     log = setup_logger(f"eval.{safe_name(args.env)}", Path(args.log_dir) / f"{safe_name(args.env)}_mon_log")
     proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
                      episodic_life=False)
@@ -411,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary written to {json_path}")
     if args.record:
         print(f"{len(out['videos'])} video(s) written to {Path(args.record).resolve()}")
+    if args.trace:
+        print(f"{n} trace(s) written to {Path(args.trace).resolve()}")
     return 0
 
 

@@ -177,7 +177,8 @@ def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int | None = None,
-              should_stop=None, on_frame=None, points: list | None = None) -> tuple[float, int, bool]:
+              should_stop=None, on_frame=None, points: list | None = None,
+              trace: list | None = None) -> tuple[float, int, bool]:
     """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
 
     A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
@@ -189,7 +190,9 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     steps included, as the time limit counts them), and False when ``should_stop()`` became true mid-game.
     ``on_frame(env)`` is called after every step (recording: one video frame per agent step). ``points``, when
     given, gets ``(agent step, reward)`` appended for every step with a non-zero reward (the step counted from 1,
-    as ``length`` counts it).
+    as ``length`` counts it). ``trace``, when given, gets ``(agent step, action, reward, value, probabilities)``
+    appended for every step the policy chose (not the restart steps after a lost life): the critic's value and
+    the policy's probabilities of the state it acted in.
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     ale = env.unwrapped.ale
@@ -213,8 +216,13 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
         if should_stop is not None and should_stop():
             return score, length, False
         x = torch.from_numpy(obs).to(device).unsqueeze(0)
-        _, logits, (hx, cx) = model(x, (hx, cx))
-        obs, over = step(int(logits.argmax(1)))
+        value, logits, (hx, cx) = model(x, (hx, cx))
+        action = int(logits.argmax(1))
+        before = score
+        obs, over = step(action)
+        if trace is not None:
+            trace.append((length, action, score - before, float(value),
+                          F.softmax(logits.float(), dim=1)[0].tolist()))
         if over:
             return score, length, True
         now = ale.lives()

@@ -62,6 +62,28 @@ def test_sticky_actions_env_with_model_file(tmp_path, model_dir):
     assert s["model"].endswith("PongNoFrameskip-v4.dat")
 
 
+def test_trace_writes_every_policy_step_of_every_game(tmp_path, model_dir):
+    import csv
+    trace_dir = tmp_path / "trace"
+    s, r = evaluate(tmp_path, model_dir, "t", "--num-episodes", "2", "--seed", "3", "--trace", str(trace_dir))
+    assert "2 trace(s) written" in r.stdout
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["PongNoFrameskip-v4_game000.csv",
+                                                          "PongNoFrameskip-v4_game001.csv"]
+    for i in range(2):
+        with open(trace_dir / f"PongNoFrameskip-v4_game{i:03d}.csv") as f:
+            rows = list(csv.DictReader(f))
+        names = ["NOOP", "FIRE", "RIGHT", "LEFT", "RIGHTFIRE", "LEFTFIRE"]
+        assert list(rows[0]) == ["step", "action", "reward", "value", *(f"p_{a}" for a in names)]
+        assert [int(r["step"]) for r in rows] == list(range(1, s["lengths"][i] + 1))  # Pong: no restart steps
+        assert sum(float(r["reward"]) for r in rows) == s["scores"][i]
+        assert [[int(r["step"]), float(r["reward"])] for r in rows if float(r["reward"])] == s["points"][i]
+        for row in rows:
+            probs = [float(row[f"p_{a}"]) for a in names]
+            assert abs(sum(probs) - 1) < 1e-4 and int(row["action"]) == max(range(6), key=probs.__getitem__)
+            assert abs(float(row["value"])) < 1e3
+        assert len({row["value"] for row in rows}) > 1
+
+
 def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
     import imageio_ffmpeg
     s, _ = evaluate(tmp_path, model_dir, "v", "--num-episodes", "2", "--render-freq", "2", "--record",
@@ -161,6 +183,10 @@ def test_bad_inputs(tmp_path, model_dir):
     line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--render",
                     env_extra={"DISPLAY": "", "WAYLAND_DISPLAY": ""})
     assert "needs a display" in line
+    (tmp_path / "afile").write_text("x")
+    assert "--trace '" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--trace",
+                                   str(tmp_path / "afile"))
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch, capsys):
