@@ -409,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     point_list = [points[i] for i in order]
     lost = points_lost(point_list)
     if lost is not None:
-        log.info(points_line(lost, n))
-        print(points_line(lost, n), flush=True)
+        line = points_line(lost, n)
+        log.info(line)
+        print(line, flush=True)
     claim = card_claim(path, args.env)
     if claim is not None:
         try:
