@@ -412,10 +412,10 @@ def test_every_mode_implements_the_interface_main_drives(tmp_path):
 
 
 def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_order(tmp_path):
-    """After the README's first command (an A3G run: its model in runs/<env>/), its GA3C and Ray examples start new
-    runs with the default folders: runs/<env>-ga3c/ and runs/<env>-ray/ (logs/ likewise), so neither is refused
-    for the A3G model, while a second A3G run into runs/<env>/ still is. Each real run stops right after that
-    check: the GA3C one at a lock that this test holds on its folder, the Ray one at an address where nothing
+    """After the README's first command (a GA3C run: its model in runs/<env>-ga3c/), its A3G and Ray examples start
+    new runs with the default folders: runs/<env>/ and runs/<env>-ray/ (logs/ likewise), so neither is refused for
+    the GA3C model, while a second GA3C run into runs/<env>-ga3c/ still is. Each real run stops right after that
+    check: the A3G one at a lock that this test holds on its folder, the Ray one at an address where nothing
     answers."""
     import socket
 
@@ -432,19 +432,20 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
     validate(args)
     assert (args.save_model_dir, args.log_dir) == ("a", "b")
 
-    (tmp_path / "runs" / env).mkdir(parents=True)
-    (tmp_path / "runs" / env / f"{env}.ckpt").write_bytes(b"the first run's checkpoint")
+    (tmp_path / "runs" / f"{env}-ga3c").mkdir(parents=True)
+    (tmp_path / "runs" / f"{env}-ga3c" / f"{env}.ckpt").write_bytes(b"the first run's checkpoint")
     common = ["--env", env, "--env-config", str(ROOT / "config.json")]
-    r = run_entry("main.py", *common, cwd=tmp_path)
+    r = run_entry("main.py", *common, "--mode", "ga3c", cwd=tmp_path)
     assert r.returncode == 2 and "would overwrite it" in r.stderr, r.stderr[-2000:]
 
-    (tmp_path / "runs" / f"{env}-ga3c").mkdir()
-    lock = RunLock(tmp_path / "runs" / f"{env}-ga3c")
+    (tmp_path / "runs" / env).mkdir()
+    lock = RunLock(tmp_path / "runs" / env)
     try:
-        r = run_entry("main.py", *common, "--mode", "ga3c", cwd=tmp_path)
+        r = run_entry("main.py", *common, "--mode", "a3g", cwd=tmp_path)
     finally:
         lock.release()
-    assert r.returncode == 2 and f"is writing to runs/{env}-ga3c" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and f"is writing to runs/{env}:" in r.stderr, r.stderr[-2000:]
+    assert "would overwrite" not in r.stderr
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
