@@ -141,7 +141,9 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
     ``replay``: before each update the batch gets, stamped with the trainer's version, the conv activations of
     the weights it holds (what a predictor with no policy lag saves: the default path), which the batch takes to
     the trainer's device; every frame is then replayed, and every update hands over the gradient of running the
-    convolutions again."""
+    convolutions again. On the CPU without replay both runs are the same code: that case checks only where the
+    weights and gradients live (the gradient itself is tested against a reference in
+    test_ga3c_production_update.py)."""
     import dataclasses
 
     from ga3c.settings import Ga3cSettings
@@ -174,6 +176,11 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
         return opt
 
     cpu, dev = train("cpu", replay), train(device, replay)
+    # one applied gradient and one set of weights per batch, for every parameter (zip below stops at the shorter)
+    n_params = len(weights)
+    for opt in (cpu, dev):
+        assert len(opt.after) == len(opt.applied) == len(batches)
+        assert all(len(step) == n_params for step in (*opt.after, *opt.applied))
     for cpu_step, dev_step in zip(cpu.after, dev.after):
         for a, b in zip(cpu_step, dev_step):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
