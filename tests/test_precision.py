@@ -7,13 +7,16 @@ run's precision; with ``--replay-activations`` the predictor saving bf16 conv ac
 without it the trainer running the encoder again in bf16) on real Pong.
 
 Two references for every update, both loaded with the weights that acted:
-- the slow bf16 reference: a contiguous model whose convolutions run in bf16 too (``set_precision``), upstream's
-  batch-1 forward at every step and autograd's backward. It computes the same function as the production path.
+- the slow bf16 reference: a model whose convolutions run in bf16 too (``set_precision``), upstream's batch-1
+  forward at every step and autograd's backward. It computes the same function as the production path. Its
+  weights are stored channels-last like the production models', so that both run the same bf16 convolution
+  kernel: on a CPU without native bf16 (an AVX2 EPYC) oneDNN's contiguous and channels-last bf16 convolutions
+  round differently, 0.7% of the features one bf16 step apart, which puts the head gradients 5e-5 apart.
   The LSTM and head gradients are computed from the same bf16 conv features on both sides and in float32 after
   them, so they agree to float32 rounding: measured at most 4e-6 relative (L2, per tensor) on real Pong rollouts
-  with initial and with trained weights. Tolerance 3e-5. A bf16 rounding after the features on the production
-  side fails it: the LSTM cell state rounded to bf16 at each step, 6e-4; GA3C's advantages computed in bf16,
-  3e-2 (actor) and 2e-4 (LSTM); both made once on purpose. A bf16 piece in code both sides share (the heads,
+  with initial and with trained weights (1.3e-6 on the AVX2 EPYC). Tolerance 3e-5. A bf16 rounding after the
+  features on the production side fails it: the LSTM cell state rounded to bf16 at each step, 6e-4 (also on the
+  AVX2 EPYC); GA3C's advantages computed in bf16, 3e-2 (actor) and 2e-4 (LSTM); both made once on purpose. A bf16 piece in code both sides share (the heads,
   ``losses``) turns the outputs' dtype to bf16, and the loss terms, the LSTM state and every gradient and
   optimizer statistic are asserted float32.
   The conv gradients differ by where the bf16 roundings happen (the replay rounds each conv weight gradient
@@ -47,7 +50,7 @@ def assert_matches_references(shared_model, acted: dict, update_index: int, back
     with the ``acted`` weights on which ``backward(model)`` computes the reference gradient."""
     n, hidden = shared_model.num_actions, shared_model.hidden_size
     for dtype in (torch.bfloat16, torch.float32):
-        ref = A3Clstm(1, n, hidden).set_precision(dtype)
+        ref = A3Clstm(1, n, hidden).channels_last().set_precision(dtype)
         ref.load_state_dict(acted)
         backward(ref)
         pairs = [(k, p.grad, q.grad) for (k, p), q in zip(shared_model.named_parameters(), ref.parameters())]
