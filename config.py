@@ -1,4 +1,5 @@
-"""Every training flag in one place (upstream A3G's names, short flags and defaults), and their validation.
+"""Every training flag in one place (upstream A3G's names and short flags; its defaults, but for the mode and the
+mode's ``--lr`` and ``--precision``), and their validation.
 
 ``build_parser()`` declares the flags; ``validate(args)`` checks the whole configuration before any process
 starts and returns every problem at once, each as one line a user can act on.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -44,10 +46,48 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
                         "training run's: logs/<env>-ga3c, logs/<env>-ray)")
 
 
+# The defaults that depend on the mode: GA3C mode's were measured on Pong over three seeds each and checked on
+# Breakout's first 1.5M steps (docs/results.md); A3G mode keeps upstream's, which all of its seeds used.
+MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.0001, "precision": "fp32"}}
+A3G_ONLY_FLAGS = ("--workers", "-w", "--distributed-step-size", "-dss", "--ray-address")
+
+
+def mode_of(argv: list[str]) -> str:
+    """The mode a training command line runs: its ``--mode``; else ``a3g`` where it names a flag that only A3G mode
+    has (``--workers``, ``--distributed-step-size``, ``--ray-address``, as upstream's commands do); else ``ga3c``."""
+    if "--" in argv:
+        argv = argv[:argv.index("--")]
+    named = None
+    for i, tok in enumerate(argv):  # the last --mode wins, as in argparse
+        if tok == "--mode" and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif tok.startswith("--mode="):
+            named = tok.split("=", 1)[1]
+    if named is not None:
+        return named
+    names = {tok.split("=", 1)[0] for tok in argv}
+    if names & set(A3G_ONLY_FLAGS) or any(t.startswith("-w") and t[2:].isdigit() for t in names):
+        return "a3g"
+    return "ga3c"
+
+
+class TrainParser(Parser):
+    """``main.py``'s parser: before parsing, sets the defaults of ``--mode``, ``--lr`` and ``--precision`` for the
+    mode the command line runs (``mode_of``), so that every caller of ``parse_args`` gets the same values."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        mode = mode_of(argv)
+        mode = mode if mode in MODE_DEFAULTS else "ga3c"  # an unknown --mode is refused by the parse below
+        self.set_defaults(mode=mode, **MODE_DEFAULTS[mode])
+        return super().parse_known_args(argv, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="main.py", description="A3C-LSTM on Atari with hogwild workers (A3G).")
+    p = TrainParser(prog="main.py", description="A3C-LSTM on Atari: batched GA3C mode (the default) or hogwild "
+                                                "workers (A3G mode, --mode a3g).")
     add_model_env_flags(p)
-    p.add_argument("--lr", "-l", type=float, default=0.0001, help="learning rate (default: %(default)s)")
+    p.add_argument("--lr", "-l", type=float, help="learning rate (default: 0.0002 in GA3C mode, 0.0001 in A3G mode)")
     p.add_argument("--lr-anneal-steps", type=int, default=0,
                    help="anneal the learning rate linearly from --lr to 0 at this many global agent steps (as A3C's "
                         "paper did); the run stops there at the latest (a larger --max-steps, or 0, is cut to it); "
@@ -62,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", "-g", type=float, default=0.99, help="discount (default: %(default)s)")
     p.add_argument("--tau", "-t", type=float, default=1.00, help="GAE lambda (default: %(default)s)")
     p.add_argument("--workers", "-w", type=int, default=os.cpu_count() or 1,
-                   help="training processes (default: the number of CPU cores, %(default)s here)")
+                   help="A3G mode's training processes; giving it selects A3G mode unless --mode says otherwise "
+                        "(default: the number of CPU cores, %(default)s here)")
     p.add_argument("--num-steps", "-ns", type=int, default=20, help="rollout length in agent steps (default: %(default)s)")
     p.add_argument("--shared-optimizer", "-so", action=BoolFlag, default=True,
                    help="share the optimizer statistics between workers; --no-shared-optimizer gives each "
@@ -87,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-step-size", "-dss", type=int, nargs="+", default=None,
                    help="per-worker rollout lengths: worker r uses dss[r %% len] (default: --num-steps)")
     # Beyond upstream: stop conditions, gradient clipping, monitor and checkpoint cadence.
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+    p.add_argument("--precision", choices=list(PRECISIONS),
                    help="the conv encoder's precision: fp32, bf16 (bfloat16 convolutions; weights, gradients, "
                         "optimizer, LSTM and losses stay float32), or auto: bf16 where the CPU or GPU runs it "
-                        "natively, else fp32 (default: %(default)s)")
+                        "natively, else fp32 (default: auto in GA3C mode, fp32 in A3G mode)")
     p.set_defaults(compute_precision="fp32")  # --precision resolved for the run's devices by validate()
     p.add_argument("--max-steps", type=int, default=50_000_000,
                    help="stop when the global agent-step count (all workers, resumed runs included) reaches "
@@ -136,9 +177,10 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     Each flag names the GA3C ``Config.py`` key it replaces; the A3C flags above (``--num-steps`` = TIME_MAX,
     ``--lr``, ``--gamma``, ...) apply to both modes."""
     g = p.add_argument_group("GA3C mode (--mode ga3c)")
-    g.add_argument("--mode", default="a3g", choices=["a3g", "ga3c"],
-                   help="a3g: hogwild workers, each with its own model copy; ga3c: agents that only step "
-                        "environments, batched predictors and trainers next to one model (default: %(default)s)")
+    g.add_argument("--mode", choices=["a3g", "ga3c"],
+                   help="ga3c: agents that only step environments, batched predictors and trainers next to one "
+                        "model; a3g: hogwild workers, each with its own model copy (default: ga3c; a3g when "
+                        "--workers, --distributed-step-size or --ray-address is given)")
     g.add_argument("--agents", type=int, default=None,
                    help="agent processes, which only step environments (GA3C AGENTS; default: the number of CPU "
                         "cores)")

@@ -1,17 +1,20 @@
-"""Train A3C-LSTM on Atari with hogwild workers (CPU, or A3G mode with --gpu-ids).
+"""Train A3C-LSTM on Atari: batched GA3C mode by default, hogwild workers in A3G mode.
 
-    python main.py --env PongNoFrameskip-v4 --workers 16 --gpu-ids 0
+    python main.py --env PongNoFrameskip-v4                               # GA3C mode, lr 0.0002, precision auto
+    python main.py --env PongNoFrameskip-v4 --workers 16 --gpu-ids 0      # A3G mode (--workers selects it)
 
 The main process validates the configuration, builds the shared model and optimizer in shared memory, picks the
-mode and drives it through ``modes.Mode``: A3G (``a3g/run.py``: ``--workers`` training processes and one monitor),
-GA3C (``--mode ga3c``, ``ga3c/run.py``) or Ray (``--ray-address``, ``multinode/run.py``). It starts the mode's
+mode and drives it through ``modes.Mode``: GA3C (the default, ``ga3c/run.py``), A3G (``--mode a3g``, or any of
+``--workers`` and ``--distributed-step-size``: ``a3g/run.py``, ``--workers`` training processes and one monitor) or
+Ray (``--ray-address``, ``multinode/run.py``). It starts the mode's
 processes, then watches them: it stops the run at ``--max-steps``, ``--max-seconds`` or ``--target-score``, on
 Ctrl-C or SIGTERM, or when a process dies; it writes the full checkpoint every ``--checkpoint-every-seconds`` and
 at the end.
 
-By default a run writes its models to ``runs/<env>/`` and its logs to ``logs/<env>/`` (``<env>-ga3c`` in GA3C
-mode, ``<env>-ray`` on Ray); the same command with ``--load`` resumes it, and every stop prints that command. Two runs never write into the same folder at once (a
-lock), and a new run never overwrites a model it did not start from.
+By default a run writes its models to ``runs/<env>-ga3c/`` and its logs to ``logs/<env>-ga3c/`` (``runs/<env>/``
+in A3G mode, ``runs/<env>-ray/`` on Ray); the same command with ``--load`` resumes it, and every stop prints that
+command. Two runs never write into the same folder at once (a lock), and a new run never overwrites a model it did
+not start from.
 
 Exit codes: 0 a stop condition was reached; 1 a worker or the monitor failed, or a checkpoint could not be written
 (the error is printed); 2 bad input (nothing started, nothing written); 130 Ctrl-C; 143 SIGTERM.
@@ -43,7 +46,7 @@ from a3g.run import A3gRun, shutdown  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, check_checkpoint,  # noqa: E402
                         check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
                         remove_stale_temp_files, state_dict_of)
-from config import build_parser, precision_warnings, validate  # noqa: E402
+from config import build_parser, precision_warnings, run_folder_name, validate  # noqa: E402
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -137,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.load:
         resume_path = find_resume_file(args)
         if resume_path is None:
+            a3g_dir = Path("runs") / safe_name(args.env)  # A3G mode's default folder
             hint = (" (a shipped model is in trained_models/: --load-model-dir trained_models/)"
                     if model_path("trained_models", args.env).is_file() else "")
+            if (args.mode == "ga3c" and args.ray_address is None
+                    and Path(args.load_model_dir) == Path("runs") / run_folder_name(args)
+                    and checkpoint_path(a3g_dir, args.env).is_file()):
+                hint = f" (an A3G-mode run is in {a3g_dir}: add --mode a3g to resume it in A3G mode)"
             fail([f"--load: neither {checkpoint_path(args.load_model_dir, args.env)} nor "
                   f"{model_path(args.load_model_dir, args.env)} exists, nothing to resume (check --save-model-dir, "
                   f"--load-model-dir and --env){hint}"])
@@ -261,6 +269,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                    for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
+        names = {"a3g": "A3G mode", "ga3c": "GA3C mode", "ray": "A3G mode on Ray"}
+        was_mode = "ray" if saved_config.get("ray_address") else saved_config.get("mode", "a3g")
+        now_mode = "ray" if args.ray_address is not None else args.mode
+        if was_mode != now_mode and was_mode in names:
+            log.info(f"the checkpoint was trained in {names[was_mode]}; this run goes on in {names[now_mode]}"
+                     + (" (--mode a3g goes on in A3G mode)" if now_mode == "ga3c" else ""))
         was = saved_config.get("compute_precision", "fp32")
         if was != args.compute_precision:
             log.info(f"the checkpoint was trained in {was}; this run goes on in {args.compute_precision} (the files "

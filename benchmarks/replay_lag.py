@@ -204,7 +204,7 @@ def lag_parser() -> argparse.ArgumentParser:
                    help="updates between acting and training to measure at")
     p.add_argument("--batches", type=int, default=3, help="rounds (measured batches) per lag")
     p.add_argument("--optimizer", default="Adam", choices=["Adam", "RMSprop"])
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the updates (main.py's default)")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the updates (default: 1e-4, A3G mode's; GA3C mode's in main.py is 2e-4)")
     p.add_argument("--is-clip", type=float, default=0.0, help="as main.py's --is-clip; 0 = off")
     p.add_argument("--warmup-updates", type=int, default=0, help="updates before the first round")
     p.add_argument("--model-file", help="start from this .dat or .ckpt instead of a fresh initialisation")

@@ -8,16 +8,39 @@ def parse(*argv):
     return build_parser().parse_args(list(argv))
 
 
-def test_upstream_defaults():
-    a = parse()
+def test_upstream_defaults_in_a3g_mode():
+    a = parse("--mode", "a3g")
     assert (a.lr, a.entropy_coef, a.value_coef, a.gamma, a.tau, a.seed, a.num_steps) == (1e-4, 0.01, 0.5, 0.99, 1.0, 1, 20)
     assert a.env == "PongNoFrameskip-v4" and a.max_episode_length == 10000 and a.hidden_size == 512
     assert a.optimizer == "Adam" and a.gpu_ids == [-1] and a.shared_optimizer is True and a.amsgrad is False
+    assert a.precision == "fp32"
     # the folders are this run's, resolved by validate (--load resumes from --save-model-dir)
     assert a.load_model_dir is None and a.save_model_dir is None and a.log_dir is None
     assert validate(a) == []
     assert a.load_model_dir == a.save_model_dir == "runs/PongNoFrameskip-v4"
     assert a.log_dir == "logs/PongNoFrameskip-v4"
+
+
+def test_a_plain_command_runs_ga3c_mode_with_its_measured_defaults():
+    a = parse()
+    assert (a.mode, a.lr, a.precision) == ("ga3c", 2e-4, "auto")
+    assert (a.entropy_coef, a.value_coef, a.gamma, a.tau, a.num_steps) == (0.01, 0.5, 0.99, 1.0, 20)
+    assert validate(a) == []
+    assert a.save_model_dir == "runs/PongNoFrameskip-v4-ga3c" and a.log_dir == "logs/PongNoFrameskip-v4-ga3c"
+    assert a.compute_precision in ("fp32", "bf16")
+
+
+@pytest.mark.parametrize("argv,mode", [
+    ([], "ga3c"), (["--mode", "a3g"], "a3g"), (["--mode=a3g"], "a3g"), (["--workers", "2"], "a3g"), (["-w", "2"], "a3g"),
+    (["-w2"], "a3g"), (["--workers=2"], "a3g"), (["-dss", "5", "10"], "a3g"), (["--ray-address", "local"], "a3g"),
+    (["--mode", "ga3c", "--workers", "2"], "ga3c"), (["--agents", "2", "--seed", "3"], "ga3c"),
+    (["--log-dir", "w"], "ga3c"), (["--mode", "ga3c", "--mode", "a3g"], "a3g"), (["--mode", "a3g", "--mode=ga3c"], "ga3c")])
+def test_the_mode_and_its_defaults_follow_the_command_line(argv, mode):
+    a = parse(*argv)
+    assert a.mode == mode
+    assert (a.lr, a.precision) == ((2e-4, "auto") if mode == "ga3c" else (1e-4, "fp32"))
+    b = parse(*argv, "--lr", "0.003", "--precision", "bf16")  # given values win in either mode
+    assert (b.mode, b.lr, b.precision) == (mode, 0.003, "bf16")
 
 
 @pytest.mark.parametrize("argv,value", [([], False), (["--amsgrad"], True), (["-a", "True"], True),
@@ -46,7 +69,7 @@ def test_validation_reports_everything_at_once():
                             "--max-steps", "-1", "-dss", "0"))
     assert len(errors) == 7
     assert any("unknown environment id 'Nope-v4'" in e for e in errors)
-    assert validate(parse()) == []
+    assert validate(parse()) == [] and validate(parse("--mode", "a3g")) == []
 
 
 def test_usage_errors_are_one_line(tmp_path):
@@ -63,4 +86,5 @@ def test_ga3c_mode_on_a_cpu_without_the_fences_it_needs_is_refused_in_one_line(t
     monkeypatch.setattr(ga3c.buffers, "ordering_problem", lambda: "GA3C mode needs memory fences here")
     flags = ["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
     assert "GA3C mode needs memory fences here" in validate(build_parser().parse_args(["--mode", "ga3c", *flags]))
-    assert validate(build_parser().parse_args(flags)) == []  # A3G mode does not share env slots
+    assert "GA3C mode needs memory fences here" in validate(build_parser().parse_args(flags))  # the default
+    assert validate(build_parser().parse_args(["--mode", "a3g", *flags])) == []  # A3G mode does not share env slots

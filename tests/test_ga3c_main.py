@@ -67,6 +67,7 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     r = run_entry("main.py", "--workers", "2", *COMMON, str(games1 + 2), *dirs(tmp_path), "--load", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"at {steps1:,} global steps" in r.stdout and "resumed the Adam statistics" in r.stdout
+    assert "the checkpoint was trained in GA3C mode; this run goes on in A3G mode\n" in r.stdout
     ckpt2 = torch.load(ckpt_path, weights_only=True)
     assert ckpt2["global_steps"] >= steps1 + 150 and ckpt2["norm_stats"].shape == (3, 3)
     assert ckpt2["config"]["mode"] == "a3g"
@@ -76,6 +77,7 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     r = run_entry("main.py", *GA3C, *COMMON, str(games2 + 2), *dirs(tmp_path), "--load", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"at {ckpt2['global_steps']:,} global steps" in r.stdout
+    assert "the checkpoint was trained in A3G mode; this run goes on in GA3C mode (--mode a3g goes on" in r.stdout
     ckpt3 = torch.load(ckpt_path, weights_only=True)
     assert ckpt3["global_steps"] >= ckpt2["global_steps"] + 150 and ckpt3["ga3c_updates"] > 11
     # the A3G checkpoint had no GA3C games: this run numbered its own from 1 and saved the count
@@ -176,6 +178,6 @@ def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_p
     assert events and re.match(r"NT 1 NP 1 NA 2: \d+ trained steps/s", events[0]), r.stdout[-3000:]
     tried = [tuple(map(int, m)) for m in re.findall(r"try NT (\d+) NP (\d+) NA (\d+)", r.stdout)]
     assert tried and all(1 <= nt <= 2 and 1 <= np_ <= 2 and 1 <= na <= 3 for nt, np_, na in tried)
-    shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+) \| fp32$", r.stdout, re.MULTILINE)}
+    shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+) \| (?:fp32|bf16)$", r.stdout, re.MULTILINE)}
     assert len(shown) >= 2  # the status lines saw more than one setting
     assert "exited unexpectedly" not in r.stdout

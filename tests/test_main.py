@@ -423,7 +423,8 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
     from config import build_parser, validate
 
     env = "PongNoFrameskip-v4"
-    for flags, folder in (([], env), (["--mode", "ga3c"], f"{env}-ga3c"), (["--ray-address", "auto"], f"{env}-ray")):
+    for flags, folder in ((["--mode", "a3g"], env), (["--workers", "2"], env), ([], f"{env}-ga3c"),
+                          (["--mode", "ga3c"], f"{env}-ga3c"), (["--ray-address", "auto"], f"{env}-ray")):
         args = build_parser().parse_args(["--env-config", str(ROOT / "config.json"), *flags])
         assert not validate(args)
         assert (args.save_model_dir, args.load_model_dir, args.log_dir) == (f"runs/{folder}", f"runs/{folder}",
@@ -435,8 +436,9 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
     (tmp_path / "runs" / f"{env}-ga3c").mkdir(parents=True)
     (tmp_path / "runs" / f"{env}-ga3c" / f"{env}.ckpt").write_bytes(b"the first run's checkpoint")
     common = ["--env", env, "--env-config", str(ROOT / "config.json")]
-    r = run_entry("main.py", *common, "--mode", "ga3c", cwd=tmp_path)
-    assert r.returncode == 2 and "would overwrite it" in r.stderr, r.stderr[-2000:]
+    for mode in (["--mode", "ga3c"], []):  # GA3C mode, named or by default
+        r = run_entry("main.py", *common, *mode, cwd=tmp_path)
+        assert r.returncode == 2 and "would overwrite it" in r.stderr, r.stderr[-2000:]
 
     (tmp_path / "runs" / env).mkdir()
     lock = RunLock(tmp_path / "runs" / env)
@@ -446,6 +448,13 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
         lock.release()
     assert r.returncode == 2 and f"is writing to runs/{env}:" in r.stderr, r.stderr[-2000:]
     assert "would overwrite" not in r.stderr
+
+    # a plain --load (GA3C mode, the default) finds no run in runs/<env>-ga3c but an A3G-mode one in runs/<env>
+    (tmp_path / "runs" / env / f"{env}.ckpt").write_bytes(b"an A3G run's checkpoint")
+    (tmp_path / "runs" / f"{env}-ga3c" / f"{env}.ckpt").unlink()
+    r = run_entry("main.py", *common, "--load", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert f"an A3G-mode run is in runs/{env}: add --mode a3g to resume it in A3G mode" in r.stderr
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))

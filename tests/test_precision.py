@@ -117,9 +117,11 @@ def test_bf16_on_a_gpu_without_it_is_refused_and_auto_falls_back(monkeypatch):
 
 def test_validate_sets_the_resolved_precision(tmp_path, monkeypatch):
     flags = ["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)]
-    args = build_parser().parse_args(flags)
+    args = build_parser().parse_args(["--mode", "a3g", *flags])
     assert args.precision == "fp32" and validate(args) == [] and args.compute_precision == "fp32"
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: True)
+    args = build_parser().parse_args(flags)  # GA3C mode, whose default is auto
+    assert args.precision == "auto" and validate(args) == [] and args.compute_precision == "bf16"
     args = build_parser().parse_args(flags + ["--precision", "auto"])
     assert validate(args) == [] and args.compute_precision == "bf16"
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda *a: False)

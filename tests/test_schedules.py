@@ -215,7 +215,7 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert "resume with:" not in out and "resume (--load) with a larger --lr-anneal-steps" in out
     assert "entropy bonus 0.01 annealed linearly to 0 at 200 global steps (now 0.01)" in out
     status = [line for line in out.splitlines() if " | updates " in line]
-    assert status and re.search(r"\| lr [\d.e-]+ \| entropy-coef [\d.e-]+ \| fp32$", status[-1]), status
+    assert status and re.search(r"\| lr [\d.e-]+ \| entropy-coef [\d.e-]+ \| (?:fp32|bf16)$", status[-1]), status
     assert "learning rate 0.001 annealed linearly to 0 at 300 global steps (now 0.001)" in out
     ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
     steps = ckpt["global_steps"]
