@@ -18,7 +18,8 @@ Prints, in one run on this machine:
    the plain reference step cost / this model's step cost;
 7. GA3C mode (``main.py --mode ga3c``: the server's predictor and trainer threads, the agents, the monitor) over
    the same warm-up and window, with its flags from ``--ga3c-flags``: steps/s, trained steps/s, updates/s, the
-   policy lag, and GA3C / A3G;
+   policy lag, and GA3C / A3G; each mode runs at main.py's default precision for it (A3G fp32, GA3C auto, so
+   GA3C / A3G is the README's first command against ``--mode a3g``) unless ``--precision`` names one for both;
 8. the fraction of the machine's compute roof each mode reaches: model FLOPs per training step (acting forward,
    training forward and backward, counted by torch's FLOP counter) x steps/s, over this core's single-thread
    fp32 matrix-multiply rate x the cores.
@@ -491,9 +492,10 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes-only", action="store_true",
                    help="measure only the two modes' training (A3G, GA3C) and the compute roof: no step costs, "
                         "environment-only or plain-training parts")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "auto"],
                    help="A3G mode's precision and this model's step costs; GA3C mode's too unless --ga3c-flags "
-                        "gives its own --precision (default: %(default)s)")
+                        "gives its own --precision (default: each mode at main.py's default, fp32 in A3G mode "
+                        "and for the step costs, auto in GA3C mode)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--out-dir", default=None,
                    help="folder for the training processes' logs, CSV and model (default: a temporary folder, "
@@ -507,6 +509,30 @@ def main(argv=None) -> int:
         return run(opts, Path(opts.out_dir))
     with tempfile.TemporaryDirectory(prefix="a3g-benchmark-") as tmp:
         return run(opts, Path(tmp))
+
+
+def precision_flag(name: str | None) -> list[str]:
+    """``["--precision", name]``, or nothing when ``name`` is None so that main.py's default for the mode holds."""
+    return [] if name is None else ["--precision", name]
+
+
+def a3g_args(opts: argparse.Namespace, out_dir: Path) -> argparse.Namespace:
+    """main.py's arguments for the A3G-mode measurement: its defaults (``--precision fp32`` among them), then
+    ``--workers``, ``--gpu-ids`` and ``--precision`` when given."""
+    return build_parser().parse_args(["--env", opts.env, "--mode", "a3g", "--workers", str(opts.workers),
+                                      "--max-steps", "0", *precision_flag(opts.precision),
+                                      "--gpu-ids", *map(str, opts.gpu_ids),
+                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
+
+
+def ga3c_args(opts: argparse.Namespace, out_dir: Path) -> argparse.Namespace:
+    """main.py's arguments for the GA3C-mode measurement: its defaults (``--precision auto`` among them), then
+    ``--precision`` when given, then ``--ga3c-flags``, whose own ``--precision`` wins."""
+    import shlex
+    return build_parser().parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
+                                      *precision_flag(opts.precision), "--gpu-ids", *map(str, opts.gpu_ids),
+                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir),
+                                      *shlex.split(opts.ga3c_flags)])
 
 
 def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) -> None:
@@ -538,9 +564,7 @@ def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) ->
 def run(opts: argparse.Namespace, out_dir: Path) -> int:
     """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
     torch.set_num_threads(1)
-    args = build_parser().parse_args(["--env", opts.env, "--workers", str(opts.workers), "--max-steps", "0",
-                                      "--precision", opts.precision, "--gpu-ids", *map(str, opts.gpu_ids),
-                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir)])
+    args = a3g_args(opts, out_dir)
     args.env_config = str(ROOT / "config.json")
     from config import precision_warnings, validate_precision
     problems = validate_precision(args)
@@ -581,11 +605,7 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
           f"{res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread x {os.cpu_count()} cores", flush=True)
     print(f"A3G mode: {res['roof_fraction_a3g']:.2f} of the compute roof", flush=True)
     if opts.ga3c:
-        import shlex
-        gargs = build_parser().parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
-                                           "--precision", opts.precision,
-                                           "--gpu-ids", *map(str, opts.gpu_ids), "--log-dir", str(out_dir / "ga3c"),
-                                           "--save-model-dir", str(out_dir / "ga3c"), *shlex.split(opts.ga3c_flags)])
+        gargs = ga3c_args(opts, out_dir / "ga3c")
         gargs.env_config = args.env_config
         from config import validate
         problems = [e for e in validate(gargs) if "save-model-dir" not in e]

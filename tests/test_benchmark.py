@@ -160,3 +160,19 @@ def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
 def test_the_step_budget_rejects_bad_sizes_in_one_line(tmp_path, flags):
     proc = run_entry("benchmarks/budget.py", *flags, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "budget.py: error: --" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, a3g, ga3c", [
+    ([], "fp32", "auto"),  # each mode at main.py's default
+    (["--precision", "bf16"], "bf16", "bf16"),
+    (["--precision", "fp32"], "fp32", "fp32"),
+    (["--precision", "fp32", "--ga3c-flags", "--precision bf16 --agents 3"], "fp32", "bf16"),
+    (["--ga3c-flags", "--precision fp32"], "fp32", "fp32"),
+])
+def test_each_mode_is_measured_at_main_py_s_default_precision_unless_told(tmp_path, flags, a3g, ga3c):
+    bench = load_benchmark()
+    opts = bench.benchmark_parser().parse_args(flags)
+    a, g = bench.a3g_args(opts, tmp_path), bench.ga3c_args(opts, tmp_path / "ga3c")
+    assert (a.mode, a.precision, a.lr) == ("a3g", a3g, 0.0001)
+    assert (g.mode, g.precision, g.lr) == ("ga3c", ga3c, 0.0002)
+    assert g.agents == (3 if "--agents 3" in " ".join(flags) else bench.build_parser().get_default("agents"))
