@@ -18,7 +18,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``prog: error: ... (see --help)``) and exit code 2; no
-    abbreviated flags (``--save`` is not ``--save-model-dir``), so a printed command means what it says."""
+    abbreviated long flags (``--save`` is not ``--save-model-dir``), so a printed command means what it says
+    (argparse still completes a unique prefix of a single-dash flag: ``-ds`` is ``-dss``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -49,38 +48,31 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
 # The defaults that depend on the mode: GA3C mode's were measured on Pong over three seeds each and checked on
 # Breakout's first 1.5M steps (docs/results.md); A3G mode keeps upstream's, which all of its seeds used.
 MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.0001, "precision": "fp32"}}
-A3G_ONLY_FLAGS = ("--workers", "-w", "--distributed-step-size", "-dss", "--ray-address")
+A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 
 
-def mode_of(argv: list[str]) -> str:
-    """The mode a training command line runs: its ``--mode``; else ``a3g`` where it names a flag that only A3G mode
-    has (``--workers``, ``--distributed-step-size``, ``--ray-address``, as upstream's commands do); else ``ga3c``."""
-    if "--" in argv:
-        argv = argv[:argv.index("--")]
-    named = None
-    for i, tok in enumerate(argv):  # the last --mode wins, as in argparse
-        if tok == "--mode" and i + 1 < len(argv):
-            named = argv[i + 1]
-        elif tok.startswith("--mode="):
-            named = tok.split("=", 1)[1]
-    if named is not None:
-        return named
-    names = {tok.split("=", 1)[0] for tok in argv}
-    if names & set(A3G_ONLY_FLAGS) or any(t.startswith("-w") and t[2:].isdigit() for t in names):
-        return "a3g"
-    return "ga3c"
+def resolve_mode(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills in what depends on the mode, in place: ``mode`` from ``--mode``, else ``a3g`` where the command line
+    gives a flag that only A3G mode has (``--workers``, ``--distributed-step-size``, ``--ray-address``, as
+    upstream's commands do, in any spelling argparse accepts), else ``ga3c``; then that mode's ``--lr`` and
+    ``--precision`` unless given, and ``--workers``'s default, the number of CPU cores."""
+    if args.mode is None:
+        args.mode = "a3g" if any(getattr(args, d) is not None for d in A3G_ONLY_DESTS) else "ga3c"
+    for name, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.workers is None:
+        args.workers = os.cpu_count() or 1
+    return args
 
 
 class TrainParser(Parser):
-    """``main.py``'s parser: before parsing, sets the defaults of ``--mode``, ``--lr`` and ``--precision`` for the
-    mode the command line runs (``mode_of``), so that every caller of ``parse_args`` gets the same values."""
+    """``main.py``'s parser: every caller of ``parse_args`` gets the mode and its defaults resolved
+    (``resolve_mode``); the flags that depend on the mode parse to None when not given."""
 
     def parse_known_args(self, args=None, namespace=None):
-        argv = sys.argv[1:] if args is None else list(args)
-        mode = mode_of(argv)
-        mode = mode if mode in MODE_DEFAULTS else "ga3c"  # an unknown --mode is refused by the parse below
-        self.set_defaults(mode=mode, **MODE_DEFAULTS[mode])
-        return super().parse_known_args(argv, namespace)
+        ns, rest = super().parse_known_args(args, namespace)
+        return resolve_mode(ns), rest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value loss weight; 0.5 is upstream's fixed factor (default: %(default)s)")
     p.add_argument("--gamma", "-g", type=float, default=0.99, help="discount (default: %(default)s)")
     p.add_argument("--tau", "-t", type=float, default=1.00, help="GAE lambda (default: %(default)s)")
-    p.add_argument("--workers", "-w", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--workers", "-w", type=int, default=None,
                    help="A3G mode's training processes; giving it selects A3G mode unless --mode says otherwise "
-                        "(default: the number of CPU cores, %(default)s here)")
+                        f"(default: the number of CPU cores, {os.cpu_count() or 1} here)")
     p.add_argument("--num-steps", "-ns", type=int, default=20, help="rollout length in agent steps (default: %(default)s)")
     p.add_argument("--shared-optimizer", "-so", action=BoolFlag, default=True,
                    help="share the optimizer statistics between workers; --no-shared-optimizer gives each "

@@ -125,6 +125,19 @@ def exited_unexpectedly(procs: list[tuple[str, mp.Process]], mode: Mode,
     return None
 
 
+def mode_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed checkpoint (its saved ``config``) was trained in another mode than this run's,
+    and, where this run is GA3C mode by default, how to go on in the checkpoint's; "" when the modes are the same."""
+    names = {"a3g": "A3G mode", "ga3c": "GA3C mode", "ray": "A3G mode on Ray"}
+    was_mode = "ray" if saved_config.get("ray_address") else saved_config.get("mode", "a3g")
+    now_mode = "ray" if args.ray_address is not None else args.mode
+    if was_mode == now_mode or was_mode not in names:
+        return ""
+    how = {"a3g": " (--mode a3g goes on in A3G mode)", "ray": " (--ray-address ADDRESS goes on on Ray)"}
+    return (f"the checkpoint was trained in {names[was_mode]}; this run goes on in {names[now_mode]}"
+            + (how.get(was_mode, "") if now_mode == "ga3c" else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     stop = globals().get("STOP") or lifeline.StopSignals().install()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -269,12 +282,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                    for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
-        names = {"a3g": "A3G mode", "ga3c": "GA3C mode", "ray": "A3G mode on Ray"}
-        was_mode = "ray" if saved_config.get("ray_address") else saved_config.get("mode", "a3g")
-        now_mode = "ray" if args.ray_address is not None else args.mode
-        if was_mode != now_mode and was_mode in names:
-            log.info(f"the checkpoint was trained in {names[was_mode]}; this run goes on in {names[now_mode]}"
-                     + (" (--mode a3g goes on in A3G mode)" if now_mode == "ga3c" else ""))
+        line = mode_change_line(saved_config, args)
+        if line:
+            log.info(line)
         was = saved_config.get("compute_precision", "fp32")
         if was != args.compute_precision:
             log.info(f"the checkpoint was trained in {was}; this run goes on in {args.compute_precision} (the files "

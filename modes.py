@@ -1,7 +1,7 @@
 """The interface through which ``main.py`` drives a training mode, written down once.
 
-Three modes implement it: ``a3g.run.A3gRun`` (hogwild workers and the monitor, the default),
-``ga3c.run.Ga3cRun`` (``--mode ga3c``) and ``multinode.run.RayRun`` (``--ray-address``). ``main.run_training``
+Three modes implement it: ``a3g.run.A3gRun`` (hogwild workers and the monitor, ``--mode a3g``),
+``ga3c.run.Ga3cRun`` (the default) and ``multinode.run.RayRun`` (``--ray-address``). ``main.run_training``
 builds one, ``restore``s it from a checkpoint (``--load``), ``launch``es its processes, then, about five times a
 second, calls ``tick``, checks ``failed`` and asks ``expected_exit`` about every process that ended; it calls
 ``status`` every ``--status-every-seconds`` and ``save`` every ``--checkpoint-every-seconds``. At the end it stops

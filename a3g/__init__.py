@@ -1,4 +1,4 @@
-"""A3G mode, the default: ``--workers`` hogwild training processes and the monitor.
+"""A3G mode (``--mode a3g``): ``--workers`` hogwild training processes and the monitor.
 
 - ``run``: the mode as ``main.py`` drives it (``A3gRun``), the start of its processes (``launch``), the bounded
   stop of a run's processes (``shutdown``, which every mode's run uses) and the status line.

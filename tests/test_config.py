@@ -32,7 +32,8 @@ def test_a_plain_command_runs_ga3c_mode_with_its_measured_defaults():
 
 @pytest.mark.parametrize("argv,mode", [
     ([], "ga3c"), (["--mode", "a3g"], "a3g"), (["--mode=a3g"], "a3g"), (["--workers", "2"], "a3g"), (["-w", "2"], "a3g"),
-    (["-w2"], "a3g"), (["--workers=2"], "a3g"), (["-dss", "5", "10"], "a3g"), (["--ray-address", "local"], "a3g"),
+    (["-w2"], "a3g"), (["--workers=2"], "a3g"), (["-dss", "5", "10"], "a3g"),
+    (["--ray-address", "local"], "a3g"), (["-ds", "5", "10"], "a3g"), (["-w+3"], "a3g"),  # -ds, -w+3: argparse's
     (["--mode", "ga3c", "--workers", "2"], "ga3c"), (["--agents", "2", "--seed", "3"], "ga3c"),
     (["--log-dir", "w"], "ga3c"), (["--mode", "ga3c", "--mode", "a3g"], "a3g"), (["--mode", "a3g", "--mode=ga3c"], "ga3c")])
 def test_the_mode_and_its_defaults_follow_the_command_line(argv, mode):

@@ -463,3 +463,20 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
     assert r.returncode == 2 and "nothing answers there" in r.stderr, r.stderr[-2000:]
     assert "would overwrite" not in r.stderr
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [env, f"{env}-ga3c"]
+
+
+@pytest.mark.parametrize("saved, argv, line", [
+    ({"mode": "a3g"}, [], "the checkpoint was trained in A3G mode; this run goes on in GA3C mode (--mode a3g goes "
+                          "on in A3G mode)"),
+    ({"mode": "a3g", "ray_address": "local"}, [], "the checkpoint was trained in A3G mode on Ray; this run goes on in "
+                                                  "GA3C mode (--ray-address ADDRESS goes on on Ray)"),
+    ({"mode": "a3g", "ray_address": "local"}, ["--mode", "a3g"],
+     "the checkpoint was trained in A3G mode on Ray; this run goes on in A3G mode"),
+    ({"mode": "ga3c"}, ["--workers", "2"], "the checkpoint was trained in GA3C mode; this run goes on in A3G mode"),
+    ({}, ["--mode", "a3g"], ""),  # a checkpoint from before modes were saved is A3G mode's
+    ({"mode": "ga3c"}, [], ""), ({"mode": "a3g", "ray_address": "auto"}, ["--ray-address", "auto"], ""),
+])
+def test_a_resumed_checkpoint_of_another_mode_is_named_with_the_way_back(saved, argv, line):
+    from config import build_parser
+    from main import mode_change_line
+    assert mode_change_line(saved, build_parser().parse_args(argv)) == line
