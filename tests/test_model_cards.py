@@ -251,10 +251,10 @@ def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
 def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_copy):
     models = repo_copy / "trained_models"
     card = models / "PongNoFrameskip-v4.json"
-    card.rename(models / "BreakoutNoFrameskip-v4.json")
+    card.rename(models / "SpaceInvadersNoFrameskip-v4.json")
     problems = card_problems(models, repo_copy)
     assert "PongNoFrameskip-v4.dat: no card (PongNoFrameskip-v4.json)" in problems
-    assert "BreakoutNoFrameskip-v4.json: no model file (BreakoutNoFrameskip-v4.dat)" in problems
+    assert "SpaceInvadersNoFrameskip-v4.json: no model file (SpaceInvadersNoFrameskip-v4.dat)" in problems
 
 
 def test_default_for_problems_are_reported(repo_copy):
