@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ FRAME_SHAPE = (1, 80, 80)
 NOOP_MAX = 30
 FIRE_RESET_ACTIONS = (1, 2)  # FIRE, then action 2, after a reset in games that have FIRE (see ``FireReset``)
 MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines uses 2); kept for model compatibility
+# gymnasium's notice for old-version ids ("The environment Pong-v0 is out of date ..."); the v0/v4 ids are accepted on
+# purpose (upstream's protocols), so the notice is not printed once per environment and process
+_OUT_OF_DATE = r".*The environment \S+ is out of date"
 
 _ID_RE = re.compile(r"^(?P<ale>ALE/)?(?P<game>[A-Za-z0-9]+?)(?P<variant>NoFrameskip|Deterministic)?-v(?P<version>\d+)$")
 
@@ -282,7 +286,7 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
     kwargs = dict(spec.make_kwargs)
     if render_mode is not None:
         kwargs["render_mode"] = render_mode
-    env = gym.make(spec.make_id, **kwargs)
+    env = _gym_make(spec.make_id, kwargs)
     if spec.frameskip_by_us:
         env = NoopReset(env, NOOP_MAX)
         env = MaxAndSkip(env, skip_rate)
@@ -297,10 +301,18 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
     return env
 
 
+def _gym_make(make_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    """``gymnasium.make(make_id, **kwargs)`` without gymnasium's out-of-date notice for v0/v4 ids; any other
+    warning passes through."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_OUT_OF_DATE, category=DeprecationWarning)
+        return gym.make(make_id, **kwargs)
+
+
 def num_actions(env_id: str) -> int:
     """The size of the minimal action set of ``env_id`` (makes the bare emulator once, no preprocessing)."""
     spec = resolve_env_id(env_id)
-    env = gym.make(spec.make_id, **spec.make_kwargs)
+    env = _gym_make(spec.make_id, spec.make_kwargs)
     try:
         return int(env.action_space.n)
     finally:

@@ -1,11 +1,14 @@
 """The environment stack: wrappers on a fake Atari first, then on real ALE (ROMs ship with ale-py)."""
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+import environment
 from environment import (MAX_OVER_FRAMES, EnvIdError, EpisodicLife, FireReset, MaxAndSkip, NoopReset, atari_env,
-                         load_env_config, normalizer, process_frame, protocol, resolve_env_id)
+                         load_env_config, normalizer, num_actions, process_frame, protocol, resolve_env_id)
 
 
 class FakeALE:
@@ -222,6 +225,27 @@ def test_unknown_id_suggests_close_ids():
         resolve_env_id("PongNoFrameSkip-v4")  # upstream's default typo
     with pytest.raises(EnvIdError, match="unknown environment id 'CartPole-v1'"):
         resolve_env_id("CartPole-v1")
+
+
+@pytest.mark.parametrize("env_id", ["Pong-v0", "PongNoFrameskip-v0", "Pong-v4", "PongNoFrameskip-v4", "ALE/Pong-v5"])
+def test_old_ids_make_without_gymnasium_s_out_of_date_notice(env_id):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make(env_id).close()
+        assert num_actions(env_id) == 6
+    assert not [w for w in caught if "out of date" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_only_the_out_of_date_notice_is_silenced(monkeypatch):
+    def noisy_make(make_id, **kwargs):
+        gym.logger.deprecation(f"The environment {make_id} is out of date. You should consider upgrading.")
+        warnings.warn("some other deprecation", DeprecationWarning)
+        return "env"
+    monkeypatch.setattr(environment.gym, "make", noisy_make)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert environment._gym_make("Pong-v0", {}) == "env"
+    assert [str(w.message) for w in caught] == ["some other deprecation"]
 
 
 def make(env_id="PongNoFrameskip-v4", **kw):
