@@ -59,19 +59,26 @@ def _field_problems(card: dict, name: str) -> list[str]:
 
 
 def _training_problems(training: dict, repo: Path, name: str) -> list[str]:
-    """The steps and running time against the last row of the last monitor CSV the card cites."""
+    """The steps and running time against the monitor CSVs the card cites.
+
+    By default they are the last row of the last CSV: a piece resumed from a ``.ckpt`` goes on counting. With
+    ``"csv_counting": "restarted"`` every CSV counted from zero (each piece started from a bare ``.dat``), so the
+    card's figures are the sums of every CSV's last row."""
     not_there = [rel for rel in training["monitor_csvs"] if not _in_results(repo, rel)]
     if not_there:
         return [f"{name}: monitor_csvs {not_there} are not files in results/"]
-    csv_rel = training["monitor_csvs"][-1]
-    last = _last_row(repo / csv_rel)
+    counting = training.get("csv_counting", "continued")
+    if counting not in ("continued", "restarted"):
+        return [f"{name}: csv_counting '{counting}' is neither 'continued' nor 'restarted'"]
+    csvs = training["monitor_csvs"] if counting == "restarted" else training["monitor_csvs"][-1:]
+    rows = [_last_row(repo / rel) for rel in csvs]
+    steps, seconds = sum(int(r["global_steps"]) for r in rows), sum(float(r["elapsed_s"]) for r in rows)
+    where = f"the last monitor row of {csvs[0]} says" if len(csvs) == 1 else f"the last rows of {csvs} sum to"
     found = []
-    if training["global_steps"] != int(last["global_steps"]):
-        found.append(f"{name}: global_steps {training['global_steps']}, the last monitor row of {csv_rel} says "
-                     f"{last['global_steps']}")
-    if training["wall_time_s"] != round(float(last["elapsed_s"])):
-        found.append(f"{name}: wall_time_s {training['wall_time_s']}, the last monitor row of {csv_rel} says "
-                     f"{last['elapsed_s']}")
+    if training["global_steps"] != steps:
+        found.append(f"{name}: global_steps {training['global_steps']}, {where} {steps}")
+    if training["wall_time_s"] != round(seconds):
+        found.append(f"{name}: wall_time_s {training['wall_time_s']}, {where} {seconds:.1f}")
     return found
 
 
@@ -221,6 +228,8 @@ BREAKAGES = {
     "the steps": (lambda c: c["training"].update(global_steps=c["training"]["global_steps"] + 1), "global_steps"),
     "the wall time": (lambda c: c["training"].update(wall_time_s=c["training"]["wall_time_s"] + 60), "wall_time_s"),
     "the sha256": (lambda c: c.update(sha256="0" * 64), "sha256 0000"),
+    "an unknown CSV counting": (lambda c: c["training"].update(csv_counting="both"), "csv_counting 'both'"),
+    "a CSV counted twice": (lambda c: c["training"].update(csv_counting="restarted"), "sum to"),
     "a missing monitor CSV": (lambda c: c["training"]["monitor_csvs"].append("logs/x_monitor.csv"),
                               "are not files in results/"),
     "a quoted figure": (lambda c: c.update(limitations=c["limitations"] + " Sticky: 1.67 ± 11.06."),

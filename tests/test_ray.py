@@ -507,6 +507,7 @@ def ray_processes(run) -> list[psutil.Process]:
     return [p for p in run.processes() if any(k in title(p) for k in ("ray", "raylet", "gcs_server", "a3g"))]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_killed_node_rejoins_the_run_goes_on_and_ctrl_c_leaves_nothing(launch, tmp_path):
     """Two nodes; kill -9 node 0's actor process once it trains: Ray restarts it, it rejoins from the global

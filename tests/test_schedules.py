@@ -209,27 +209,28 @@ def run_main(tmp_path, *flags):
 
 
 def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
-    out = run_main(tmp_path, "--lr-anneal-steps", "300", "--entropy-anneal-steps", "200")
-    assert "stop at 300 steps" in out
-    assert "stopped: reached the end of --lr-anneal-steps 300 (the learning rate is 0)" in out
+    out = run_main(tmp_path, "--lr-anneal-steps", "100", "--entropy-anneal-steps", "60")
+    assert "stop at 100 steps" in out
+    assert "stopped: reached the end of --lr-anneal-steps 100 (the learning rate is 0)" in out
     assert "resume with:" not in out and "resume (--load) with a larger --lr-anneal-steps" in out
-    assert "entropy bonus 0.01 annealed linearly to 0 at 200 global steps (now 0.01)" in out
+    assert "entropy bonus 0.01 annealed linearly to 0 at 60 global steps (now 0.01)" in out
     status = [line for line in out.splitlines() if " | updates " in line]
     assert status and re.search(r"\| lr [\d.e-]+ \| entropy-coef [\d.e-]+ \| (?:fp32|bf16)$", status[-1]), status
-    assert "learning rate 0.001 annealed linearly to 0 at 300 global steps (now 0.001)" in out
+    assert "learning rate 0.001 annealed linearly to 0 at 100 global steps (now 0.001)" in out
     ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
     steps = ckpt["global_steps"]
-    assert 300 <= steps < 400
+    assert 100 <= steps < 200
     # the trainers anneal their process's copy of the optimizer's settings; the checkpoint's is main's: --lr
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
-    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--load")
+    # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early)
+    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--max-steps", str(steps + 100), "--load")
     now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
     assert now == pytest.approx(linear_anneal(0.001, steps, 1000), rel=1e-2)
     assert "changes the checkpoint's lr" not in out
-    assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 300 -> 1,000, "
-            "--entropy-anneal-steps 200 -> 0") in out
-    assert "stopped: reached the end of --lr-anneal-steps 1,000" in out
-    out = run_main(tmp_path, "--lr-anneal-steps", "1100", "--lr", "0.002", "--load")
+    assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 100 -> 1,000, "
+            "--entropy-anneal-steps 60 -> 0") in out
+    assert f"stopped: reached --max-steps {steps + 100:,}" in out
+    out = run_main(tmp_path, "--lr-anneal-steps", "1100", "--lr", "0.002", "--max-steps", str(steps + 120), "--load")
     assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
 
 
