@@ -9,6 +9,7 @@ The defaults are upstream A3G's: Adam eps 1e-3, RMSprop alpha 0.99 and eps 0.1.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Iterable
 
 import torch
@@ -30,6 +31,33 @@ def match_grad_layout(params) -> int:
             p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
             copied += 1
     return copied
+
+
+class _Eager:
+    """``torch.optim``'s methods without their ``torch.compile`` guards.
+
+    In torch 2.13, ``Optimizer.step`` and ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict``
+    import ``torch._dynamo`` at their first call, to tell the compiler to leave them alone. That import takes about
+    2 s of CPU, as long as importing torch itself, in every process that builds, steps or saves an optimizer: the
+    main process and each worker or trainer, at every start. Nothing in this project compiles an optimizer, so these
+    call the undecorated methods; a step runs with autograd off, as the guard would (``differentiable`` is never
+    set here)."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        inspect.unwrap(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self) -> dict:
+        return inspect.unwrap(torch.optim.Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        inspect.unwrap(torch.optim.Optimizer.load_state_dict)(self, state_dict)
+
+    def step(self, closure=None):
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return inspect.unwrap(super().step)(self, closure)
 
 
 class _LayoutSafeStep:
@@ -91,7 +119,7 @@ class _SharedStateMixin:
         return [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
 
 
-class SharedAdam(_LayoutSafeStep, _SharedStateMixin, torch.optim.Adam):
+class SharedAdam(_LayoutSafeStep, _SharedStateMixin, _Eager, torch.optim.Adam):
     """Adam (optionally AMSGrad) with shared ``step``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq``."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-4, betas=(0.9, 0.999),
@@ -109,7 +137,7 @@ class SharedAdam(_LayoutSafeStep, _SharedStateMixin, torch.optim.Adam):
         return state
 
 
-class SharedRMSprop(_LayoutSafeStep, _SharedStateMixin, torch.optim.RMSprop):
+class SharedRMSprop(_LayoutSafeStep, _SharedStateMixin, _Eager, torch.optim.RMSprop):
     """RMSprop with shared ``step`` and ``square_avg`` (and ``momentum_buffer`` / ``grad_avg`` when used)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 7e-4, alpha: float = 0.99,
@@ -129,11 +157,11 @@ class SharedRMSprop(_LayoutSafeStep, _SharedStateMixin, torch.optim.RMSprop):
         return state
 
 
-class Adam(_LayoutSafeStep, torch.optim.Adam):
+class Adam(_LayoutSafeStep, _Eager, torch.optim.Adam):
     """``torch.optim.Adam`` (fused) whose step first gives every gradient its parameter's layout."""
 
 
-class RMSprop(_LayoutSafeStep, torch.optim.RMSprop):
+class RMSprop(_LayoutSafeStep, _Eager, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` (foreach) whose step first gives every gradient its parameter's layout."""
 
 

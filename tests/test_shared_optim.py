@@ -1,10 +1,13 @@
 """The shared optimizers equal torch.optim step for step, keep their state in shared memory, and share it across
 real processes."""
 import multiprocessing as mp
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
 from shared_optim import SharedAdam, SharedRMSprop, make_optimizer
 
 
@@ -147,3 +150,41 @@ def test_a_channels_last_gradient_is_applied_in_its_parameters_layout(name, amsg
         opt.step()
         ref_opt.step()
         assert torch.allclose(ours, ref, atol=1e-6, rtol=0), (ours - ref).abs().max()
+
+
+
+COMPILER_FREE_WORKER = """
+import sys, torch
+from config import build_parser
+from model import A3Clstm
+from run_state import RunState
+from shared_optim import make_optimizer
+from train import run_worker
+args = build_parser().parse_args(["--workers", "1", "--hidden-size", "32", "--max-steps", "0",
+                                  "--log-dir", sys.argv[1], "--save-model-dir", sys.argv[1]])
+model = A3Clstm(1, 6, 32)  # main.py's objects and a worker's two updates, as in test_production_update.py
+model.share_memory()
+before = model.lstm.weight_hh.clone()
+opt = make_optimizer(args.optimizer, model.parameters(), args.lr, shared=True)
+assert run_worker(0, args, model, opt, RunState(1), torch.device("cpu"), max_updates=2) == 2
+assert not torch.equal(before, model.lstm.weight_hh)
+for name in ("Adam", "RMSprop"):
+    for shared in (True, False):
+        p = torch.nn.Parameter(torch.ones(3))
+        o = make_optimizer(name, [p], 0.1, amsgrad=name == "Adam", shared=shared)
+        p.grad = torch.ones(3)
+        o.step()
+        assert float(p.detach()[0]) < 1.0, (name, shared)
+        o.zero_grad()
+        o.load_state_dict(o.state_dict())  # what a checkpoint and a resume do
+print("compiler modules:", sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+def test_building_stepping_and_saving_an_optimizer_never_imports_the_compiler(tmp_path):
+    """torch.optim's compile guards import ``torch._dynamo`` (about 2 s of CPU) in every process that builds, steps
+    or saves an optimizer; the main process and each worker run the undecorated methods instead."""
+    out = subprocess.run([sys.executable, "-c", COMPILER_FREE_WORKER, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "compiler modules: []"
