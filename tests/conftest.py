@@ -39,6 +39,19 @@ def env_config() -> str:
     return str(ROOT / "config.json")
 
 
+@pytest.fixture(scope="session")
+def shipped_pong_game(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """One game of the shipped Pong model through ``gym_eval.py`` (seed 1, fp32, ``--json``): the finished process
+    and its JSON summary, read by every test that needs a real game of it."""
+    import json
+    d = tmp_path_factory.mktemp("shipped_pong")
+    shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
+    r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v4", "--model-file", str(shipped), "--num-episodes", "1",
+                  "--seed", "1", "--log-dir", str(d / "logs"), "--json", str(d / "s.json"), cwd=d, timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r, json.loads((d / "s.json").read_text())
+
+
 def assert_same_optimizer_state(optimizer: torch.optim.Optimizer, params, reference: torch.optim.Optimizer,
                                 ref_params, names) -> None:
     """Every statistic the optimizer keeps (Adam's moments and AMSGrad's running maximum, RMSprop's square

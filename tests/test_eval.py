@@ -49,8 +49,7 @@ def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
     assert "3 games, mean" in r.stdout and "± " in r.stdout and "a lost life restarts as in training" in r.stdout
     log = (tmp_path / "logs/PongNoFrameskip-v4_mon_log").read_text()
     assert log.count("episode reward") == 3 and "3 games, mean" in log
-    b, _ = evaluate(tmp_path, model_dir, "b", "--num-episodes", "3", "--seed", "5")
-    assert (b["scores"], b["lengths"], b["points"]) == (a["scores"], a["lengths"], a["points"])
+    # a second run, its games shared by two processes, plays the same games: seeded per game, whoever plays it
     c, _ = evaluate(tmp_path, model_dir, "c", "--num-episodes", "3", "--seed", "5", "--workers", "2")
     assert (c["scores"], c["lengths"], c["points"]) == (a["scores"], a["lengths"], a["points"])
 
@@ -97,24 +96,33 @@ def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
     assert meta["codec"] == "h264" and meta["size"] == (160, 210)
 
 
-def test_plot_from_a_tiny_training_run(tmp_path):
+def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_path, capsys):
     # stops after the monitor's 2nd game (the mean of 2 games is >= -1000), which starts after 100 global steps:
     # a CSV of 2 games, whichever process runs faster
     r = run_entry("main.py", "--workers", "1", "--hidden-size", "32", "--max-steps", "0", "--target-score", "-1000",
-                  "--score-window", "2", "--test-every-steps", "100", "--max-episode-length", "200",
+                  "--score-window", "2", "--test-every-steps", "100", "--max-episode-length", "200", "--save-max",
                   "--log-dir", str(tmp_path / "run/logs"), "--save-model-dir", str(tmp_path / "run/models"),
                   cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "reached --target-score -1000" in r.stdout
+    # --save-max, upstream's: the .dat is written when a monitor game scores >= the best so far, which starts at 0
+    # (so not at all after two losing games); the full checkpoint is always written
+    scores = [float(line.split(",")[3]) for line in
+              (tmp_path / "run/logs/PongNoFrameskip-v4_monitor.csv").read_text().splitlines()[1:]]
+    assert len(scores) == 2
+    assert (tmp_path / "run/models/PongNoFrameskip-v4.dat").exists() == (max(scores) >= 0), scores
+    assert (tmp_path / "run/models/PongNoFrameskip-v4.ckpt").exists()
     out = tmp_path / "curve.png"
-    r = run_entry("plot.py", str(tmp_path / "run/logs"), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    r = run_entry("plot.py", str(tmp_path / "run/logs"), "--out", str(out), cwd=tmp_path)  # the entry point once;
+    assert r.returncode == 0, r.stderr  # then plot.main in this process, as the script calls it
+    import matplotlib
+    import plot
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
     h, w = matplotlib.image.imread(out).shape[:2]
     assert h > 200 and w > 400
     svg = tmp_path / "curve.svg"
-    assert run_entry("plot.py", str(tmp_path / "run/logs/PongNoFrameskip-v4_monitor.csv"), "--out", str(svg),
-                     cwd=tmp_path).returncode == 0
+    assert plot.main([str(tmp_path / "run/logs/PongNoFrameskip-v4_monitor.csv"), "--out", str(svg)]) == 0
     assert svg.read_text().lstrip().startswith("<?xml")
 
     # two runs' CSVs in one folder: legend names from the file names, or from --labels
@@ -122,44 +130,45 @@ def test_plot_from_a_tiny_training_run(tmp_path):
     (tmp_path / "cmp").mkdir()
     for name in ("before", "after"):
         (tmp_path / "cmp" / f"{name}_monitor.csv").write_text(csv)
-    rc = tmp_path / "matplotlibrc"
-    rc.write_text("svg.fonttype: none\n")  # text stays text in the SVG
+    text_stays_text = {"svg.fonttype": "none"}  # in the SVG, so that the names can be read back
     both = [str(tmp_path / "cmp/before_monitor.csv"), str(tmp_path / "cmp/after_monitor.csv")]
     for extra, names in (([], ("before", "after")), (["--labels", "old code", "new code"], ("old code", "new code"))):
-        r = run_entry("plot.py", *both, "--out", str(svg), *extra, cwd=tmp_path, env_extra={"MATPLOTLIBRC": str(rc)})
-        assert r.returncode == 0, r.stderr
+        with matplotlib.rc_context(text_stays_text):
+            assert plot.main([*both, "--out", str(svg), *extra]) == 0
         text = svg.read_text()
         assert all(f"{n} (mean of 10)" in text for n in names), names
-    r = run_entry("plot.py", *both, "--out", str(svg), "--labels", "only one", cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--labels names 1 curves" in r.stderr
+    capsys.readouterr()
+    assert plot.main([*both, "--out", str(svg), "--labels", "only one"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--labels names 1 curves" in err
     # the title names the curves as the legend does
-    r = run_entry("plot.py", *both, "--out", str(svg), "--labels", "old code", "new code", cwd=tmp_path,
-                  env_extra={"MATPLOTLIBRC": str(rc)})
-    assert r.returncode == 0 and "after, before: old code, new code" in svg.read_text()
+    with matplotlib.rc_context(text_stays_text):
+        assert plot.main([*both, "--out", str(svg), "--labels", "old code", "new code"]) == 0
+    assert "after, before: old code, new code" in svg.read_text()
 
     # a run that has not finished a game yet: skipped with a warning, the others drawn; alone, one error line
     header = csv.splitlines()[0] + "\n"
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "PongNoFrameskip-v4_monitor.csv").write_text(header)
-    r = run_entry("plot.py", str(tmp_path / "run/logs"), str(tmp_path / "new"), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 0 and r.stderr.strip().endswith("has no games yet (its run has not finished a monitor "
-                                                           "game); skipped"), r.stderr
-    r = run_entry("plot.py", str(tmp_path / "new"), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "has no games yet" in r.stderr
+    assert plot.main([str(tmp_path / "run/logs"), str(tmp_path / "new"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().endswith("has no games yet (its run has not finished a monitor game); skipped"), err
+    assert plot.main([str(tmp_path / "new"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no games yet" in err
 
     # GA3C's results.txt, named as a file: steps are the running sum of the games' lengths
     results = tmp_path / "ga3c" / "results.txt"
     results.parent.mkdir()
     results.write_text("2026-01-02 03:04:05, -21, 800\n2026-01-02 03:05:05, -20, 900\n")
-    import plot
     curve = plot.read_curve(results)
     assert curve["steps"] == [800, 1700] and curve["score"] == [-21.0, -20.0]
     assert curve["hours"] == [0.0, 60 / 3600]
-    r = run_entry("plot.py", str(results), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert plot.main([str(results), "--out", str(out)]) == 0
     results.write_text("2026-01-02 03:04:05, -21\n")
-    r = run_entry("plot.py", str(results), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 2 and "line 1 is not a results.txt line" in r.stderr
+    capsys.readouterr()
+    assert plot.main([str(results), "--out", str(out)]) == 2
+    assert "line 1 is not a results.txt line" in capsys.readouterr().err
 
 
 def bad_eval(tmp_path, *args, env_extra=None):
@@ -239,13 +248,9 @@ def test_render_plays_a_game_through_sdls_dummy_video_driver(tmp_path, model_dir
     render_one_game(tmp_path, model_dir, {"DISPLAY": ":87", "SDL_VIDEODRIVER": "dummy"})
 
 
-def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(tmp_path):
-    shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
-    r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v4", "--model-file", str(shipped), "--num-episodes", "1",
-                  "--seed", "1", "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "s.json"),
-                  cwd=tmp_path, timeout=200)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
+def test_the_shipped_pong_model_loads_and_wins_a_seeded_game(shipped_pong_game):
+    _, summary = shipped_pong_game
+    assert summary["model"] == str(ROOT / "trained_models" / "PongNoFrameskip-v4.dat") and summary["seed"] == 1
     assert summary["episodes"] == 1 and summary["scores"][0] == 21  # it wins all 100 published games 21-0
     assert summary["precision"] == "fp32"  # the default: scores comparable across machines
 

@@ -381,7 +381,7 @@ def kill_worker_case(launch, tmp_path, moment: str, rank: int = 1, resume: bool 
     t = time.monotonic()
     worker.kill()
     check_end(run, t, {1})
-    assert f"worker {rank} exited unexpectedly" in run.stdout(), run.tail()
+    assert f"worker {rank} exited unexpectedly (exit code -9)" in run.stdout(), run.tail()
     saved = load_saved(models_dir(tmp_path))
     assert set(saved) == FINAL, f"after the run: {sorted(saved)}"
     if moment in ("mid-run", "random"):  # killed after a checkpoint with steps

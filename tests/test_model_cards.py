@@ -341,14 +341,12 @@ def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
                                                                       "not compared")
 
 
-def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(tmp_path):
+def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(shipped_pong_game):
     shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
     card = json.loads(shipped.with_suffix(".json").read_text())
+    assert card["env"] == "PongNoFrameskip-v4"  # the game the fixture played
     e = next(e for e in card["evaluations"] if e["env"] == card["env"])
-    r = run_entry("gym_eval.py", "--env", card["env"], "--model-file", str(shipped), "--num-episodes", "1",
-                  "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "s.json"), cwd=tmp_path, timeout=200)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
+    r, summary = shipped_pong_game
     expected = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
                 f"this run: 1 games {summary['mean']:.2f} ± 0.00")
     lines = r.stdout.splitlines()

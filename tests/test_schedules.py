@@ -201,7 +201,7 @@ def test_the_flag_is_validated(tmp_path):
 def run_main(tmp_path, *flags):
     cmd = [sys.executable, "main.py", "--env", "PongNoFrameskip-v4", "--mode", "ga3c", "--agents", "1",
            "--envs-per-agent", "2", "--train-batch", "2", "--num-steps", "10", "--hidden-size", "32",
-           "--lr", "0.001", "--test-every-steps", "0", "--save-model-dir", str(tmp_path / "m"),
+           "--lr", "0.001", "--test-every-steps", "1000000000", "--max-episode-length", "50", "--save-model-dir", str(tmp_path / "m"),
            "--log-dir", str(tmp_path / "l"), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -222,16 +222,15 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert 100 <= steps < 200
     # the trainers anneal their process's copy of the optimizer's settings; the checkpoint's is main's: --lr
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
-    # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early)
-    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--max-steps", str(steps + 100), "--load")
+    # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early), from
+    # the command line's --lr; the checkpoint kept the unannealed 0.001, so the log names that as the change
+    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--lr", "0.002", "--max-steps", str(steps + 100), "--load")
     now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
-    assert now == pytest.approx(linear_anneal(0.001, steps, 1000), rel=1e-2)
-    assert "changes the checkpoint's lr" not in out
+    assert now == pytest.approx(linear_anneal(0.002, steps, 1000), rel=1e-2)
+    assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
     assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 100 -> 1,000, "
             "--entropy-anneal-steps 60 -> 0") in out
     assert f"stopped: reached --max-steps {steps + 100:,}" in out
-    out = run_main(tmp_path, "--lr-anneal-steps", "1100", "--lr", "0.002", "--max-steps", str(steps + 120), "--load")
-    assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
 
 
 def test_a3g_worker_anneals_the_entropy_bonus(tmp_path, monkeypatch):
