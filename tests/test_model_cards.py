@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint import model_path
-from conftest import ROOT, run_entry
+from conftest import ROOT
 
 MODEL_SUFFIX = ".dat"  # what trained_models/ ships (upstream's format); .ckpt and temporary files are gitignored
 CARD_FIELDS = ("model_file", "sha256", "bytes", "env", "training", "machine", "evaluations", "limitations")
