@@ -101,7 +101,7 @@ def ga3c_fault_args(tmp_path, *extra):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_stops_a_ga3c_run_and_leaves_nothing(launch, tmp_path, sig, code):  # noqa: F811
-    run = launch(ga3c_fault_args(tmp_path))
+    run = launch(ga3c_fault_args(tmp_path, "--agents", "1"))
     wait_for_steps(run, tmp_path, minimum=20)
     t = time.monotonic()
     run.proc.send_signal(sig)
@@ -112,7 +112,7 @@ def test_a_signal_stops_a_ga3c_run_and_leaves_nothing(launch, tmp_path, sig, cod
 
 @pytest.mark.parametrize("role", ["ga3c server", pytest.param("ga3c agent 1", marks=pytest.mark.slow)])
 def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa: F811
-    run = launch(ga3c_fault_args(tmp_path))
+    run = launch(ga3c_fault_args(tmp_path, "--agents", "2" if role == "ga3c agent 1" else "1"))
     victim = run.role(role)
     wait_for_steps(run, tmp_path, minimum=20)
     t = time.monotonic()
@@ -124,7 +124,7 @@ def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa:
 
 def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path):  # noqa: F811
     fired = tmp_path / "fired"
-    run = launch(ga3c_fault_args(tmp_path, "--trainers", "1"), env={
+    run = launch(ga3c_fault_args(tmp_path, "--trainers", "1", "--agents", "1"), env={
         "PYTHONPATH": str(ROOT / "tests" / "fault_hooks"), "A3G_FAULT": "short_error",
         "A3G_FAULT_ROLE": "a3g ga3c server", "A3G_FAULT_AFTER": "2", "A3G_FAULT_FIRED": str(fired)})
     run.poll_until(fired.exists, START_SECONDS, "the injected trainer failure")

@@ -293,7 +293,8 @@ def test_a_bf16_run_says_so_saves_float32_files_and_resumes_in_fp32_then_in_ga3c
     checkpoint name the precision; the files stay float32 (they load into an fp32 model unchanged)."""
     from conftest import ROOT, run_entry
     from model import A3Clstm
-    common = ["--hidden-size", "32", "--test-every-steps", "100000", "--env-config", str(ROOT / "config.json"),
+    common = ["--hidden-size", "32", "--test-every-steps", "100000", "--max-episode-length", "100",
+              "--env-config", str(ROOT / "config.json"),
               "--status-every-seconds", "1", "--log-dir", str(tmp_path / "logs"),
               "--save-model-dir", str(tmp_path / "models")]
     ckpt_path = tmp_path / "models" / "PongNoFrameskip-v4.ckpt"
