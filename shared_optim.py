@@ -57,7 +57,7 @@ class _Eager:
 
     def step(self, closure=None):
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            return inspect.unwrap(super().step)(self, closure)
+            return inspect.unwrap(super().step.__func__)(self, closure)
 
 
 class _LayoutSafeStep:
