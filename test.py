@@ -25,8 +25,8 @@ from model import A3Clstm
 from player_util import play_game, sync_weights
 from precision import compute_dtype
 from run_state import RunState
-from utils import (describe_failure, format_duration, safe_name, setup_child_process, setup_logger, use_device,
-                   worker_device)
+from utils import (describe_failure, end_child_process, format_duration, safe_name, setup_child_process,
+                   setup_logger, use_device, worker_device)
 
 CSV_FIELDS = ["wall_time", "elapsed_s", "global_steps", "score", "length", "steps_per_s", "reward_mean",
               "window_mean"]
@@ -136,4 +136,5 @@ def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: 
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(run.monitor_slot, "monitor", describe_failure(e))
-        raise SystemExit(1)
+        end_child_process(1)
+    end_child_process(0)

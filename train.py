@@ -15,7 +15,7 @@ from precision import compute_dtype
 from run_state import RunState
 from schedules import linear_anneal
 from shared_optim import make_optimizer, set_lr
-from utils import describe_failure, setup_child_process, use_device, worker_device
+from utils import describe_failure, end_child_process, setup_child_process, use_device, worker_device
 
 
 def update(model: A3Clstm, rollout: Rollout, handoff: GradientHandoff, optimizer: torch.optim.Optimizer,
@@ -97,4 +97,5 @@ def train(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.op
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(rank, f"worker {rank}", describe_failure(e))
-        raise SystemExit(1)
+        end_child_process(1)
+    end_child_process(0)

@@ -204,7 +204,7 @@ def agent_process(agent_id: int, slots, buffers: EnvSlots, make_env, stop, count
     """Process entry point of agent ``agent_id``: set the process up (``utils.setup_child_process``), run the
     loop until ``stop`` or its own ``retire`` flag (``--dynamic``) is set, and report a failure to ``errors`` (an
     ``ErrorBoard``) before exiting non-zero. ``ready[error_slot]`` is set once its environments are built."""
-    from utils import describe_failure, setup_child_process
+    from utils import describe_failure, end_child_process, setup_child_process
     setup_child_process(f"ga3c agent {agent_id}")
     slot = agent_id if error_slot is None else error_slot
     try:
@@ -214,4 +214,5 @@ def agent_process(agent_id: int, slots, buffers: EnvSlots, make_env, stop, count
     except BaseException as e:
         if errors is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
             errors.report(slot, f"ga3c agent {agent_id}", describe_failure(e))
-        raise SystemExit(1)
+        end_child_process(1)
+    end_child_process(0)

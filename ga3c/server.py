@@ -247,7 +247,7 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     ``--dynamic`` it follows the main process's wanted counts in ``counters.targets``. A failed thread (or any
     error here) is reported in ``run.errors[slot]`` and the process exits with code 1.
     """
-    from utils import describe_failure, setup_child_process, use_device
+    from utils import describe_failure, end_child_process, setup_child_process, use_device
     # One torch thread for each predictor and trainer thread, on purpose, also on a many-core CPU: GA3C's
     # parallelism is its threads and processes. The --agents processes (one per core by default) and the
     # --predictors and --trainers threads here already ask for every core; an intra-op pool on top would give
@@ -274,4 +274,5 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(slot, "ga3c server", describe_failure(e))
-        raise SystemExit(1)
+        end_child_process(1)
+    end_child_process(0)
