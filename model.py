@@ -89,20 +89,29 @@ class A3Clstm(nn.Module):
         With ``cache`` (acting under ``no_grad``), each block's input, max-pool indices and output are appended
         to it, so that a later update can compute the conv weight gradients without running the convolutions
         forward again (see ``unroll``). The blocks run in ``compute_dtype`` (their saved activations too); the
-        features returned are float32.
+        features returned are float32. On a CPU the first block runs ``FIRST_BLOCK_CHUNK`` frames at a time: its
+        output before the pool (32 x 80 x 80 values a frame) and, under autograd, the gradient of it then stay in
+        the cache. The values are those of one piece; the conv1 weight gradient is summed over the pieces.
         """
         x = x.to(self.compute_dtype)
         if self.conv2.weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        for conv in self.convs():
-            if cache is None:
-                x = F.relu(F.max_pool2d(self._conv(conv, x), 2, 2))
-            else:
-                pooled, indices = F.max_pool2d(self._conv(conv, x), 2, 2, return_indices=True)
-                out = F.relu(pooled)
-                cache.add(x, indices, out)
-                x = out
+        chunk = FIRST_BLOCK_CHUNK if x.device.type == "cpu" else x.shape[0]
+        for k, conv in enumerate(self.convs()):
+            parts = x.split(chunk) if k == 0 and len(x) > chunk else (x,)
+            pieces = [self._block(conv, p, cache is not None) for p in parts]
+            out = pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces])
+            if cache is not None:
+                cache.add(x, pieces[0][1] if len(pieces) == 1 else torch.cat([p[1] for p in pieces]), out)
+            x = out
         return x.flatten(1).float()
+
+    def _block(self, conv: nn.Conv2d, x: torch.Tensor, with_indices: bool):
+        """conv -> max-pool 2x2 -> ReLU: ``(output, max-pool indices or None)``."""
+        if not with_indices:
+            return F.relu(F.max_pool2d(self._conv(conv, x), 2, 2)), None
+        pooled, indices = F.max_pool2d(self._conv(conv, x), 2, 2, return_indices=True)
+        return F.relu(pooled), indices
 
     def heads(self, hx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hx (B, H) -> value (B, 1), logits (B, A)``."""
@@ -283,7 +292,7 @@ class _Replay(torch.autograd.Function):
         return (None, None, *grads)
 
 
-FIRST_BLOCK_CHUNK = 4  # frames per piece of the first conv block's backward (benchmarks/budget.py measures it)
+FIRST_BLOCK_CHUNK = 4  # frames per piece of the first conv block, forward and backward (budget.py measures it)
 
 
 def _block_backward(g: torch.Tensor, conv: nn.Conv2d, block, input_grad: bool):

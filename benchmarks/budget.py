@@ -21,9 +21,10 @@ With ``--precision fp32 bf16`` the model pieces are timed in each precision (``-
 encoder in bfloat16, see ``precision.py``), alternated within each round, and every ceiling is given against A3G
 mode in the first precision listed.
 
-Also timed: the first conv block's backward in one piece against pieces of ``model.FIRST_BLOCK_CHUNK`` frames,
-and with ``--lagged`` the GA3C update on segments acted on by an older model version: a trainer replays only the
-activations of frames acted on by the weights it holds, so these run the conv encoder again (``ga3c.trainer``).
+Also timed: the GA3C update with the first conv block in one piece against pieces of ``model.FIRST_BLOCK_CHUNK``
+frames, and with ``--lagged`` the GA3C update on segments acted on by an older model version (both ways): a
+trainer replays only the activations of frames acted on by the weights it holds, so these run the conv encoder
+again (``ga3c.trainer``), the first block forward and backward in pieces.
 
 The GA3C pieces above are those of ``--replay-activations`` (the predictor saves activations, the update at lag 0
 replays them). A GA3C run's default saves none and runs the encoder again for every frame: its update is the
@@ -157,9 +158,11 @@ def model_pieces_ms(opts: argparse.Namespace, precision: str) -> dict:
     segments = segments_from(caches, opts.train_batch)
     r["ga3c_update"] = trainer_update_ms(segments, opts.rollouts, precision)
     chunk = model_module.FIRST_BLOCK_CHUNK
-    model_module.FIRST_BLOCK_CHUNK = 10 ** 9  # the first block's backward in one piece
+    model_module.FIRST_BLOCK_CHUNK = 10 ** 9  # the first block in one piece
     try:
         r["ga3c_update_unchunked"] = trainer_update_ms(segments, opts.rollouts, precision)
+        if opts.lagged:
+            r["ga3c_update_lagged_unchunked"] = trainer_update_ms(segments, opts.rollouts, precision, lag=1)
     finally:
         model_module.FIRST_BLOCK_CHUNK = chunk
     if opts.lagged:
@@ -224,13 +227,14 @@ def report(res: dict) -> None:
         f"{k} {res['ceiling_steps_per_s'][k]:.0f} ({res['ceiling_over_a3g'][k]:.2f}x)" for k in keys))
     for p in precisions:
         ratio = res["ceiling_over_a3g"][f"ga3c {p}"] / res["ceiling_over_a3g"][f"a3g {p}"]
-        print(f"{p}: GA3C / A3G at most {ratio:.2f}x; GA3C update with the first conv block's backward in one "
+        print(f"{p}: GA3C / A3G at most {ratio:.2f}x; GA3C update with the first conv block in one "
               f"piece {m[p]['ga3c_update_unchunked']:.2f} ms, in pieces of {model_module.FIRST_BLOCK_CHUNK} frames "
               f"{m[p]['ga3c_update']:.2f} ms")
         if "ga3c_update_lagged" in m[p]:
             print(f"{p}: GA3C update on segments acted on by an older version (the encoder runs again) "
                   f"{m[p]['ga3c_update_lagged']:.2f} ms, {m[p]['ga3c_update_lagged'] / m[p]['ga3c_update']:.2f}x "
-                  f"the replay's")
+                  f"the replay's; with the first conv block in one piece {m[p]['ga3c_update_lagged_unchunked']:.2f} "
+                  f"ms")
     print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread; {res['model_mflop_per_step']:.0f} "
           f"MFLOP per step (benchmark.py's count); fraction of that roof at the ceilings: " + ", ".join(
               f"{k} {res['ceiling_roof_fraction'][k]:.2f}" for k in keys))

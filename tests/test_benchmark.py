@@ -134,14 +134,15 @@ def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tm
 def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
     out = tmp_path / "budget.json"
     proc = run_entry("benchmarks/budget.py", "--envs", "3", "--train-batch", "2", "--num-steps", "3", "--repeats",
-                     "1", "--rollouts", "1", "--env-steps", "20", "--precision", "fp32", "bf16", "--json", str(out),
-                     cwd=tmp_path, timeout=280)
+                     "1", "--rollouts", "1", "--env-steps", "20", "--precision", "fp32", "bf16", "--lagged", "--json",
+                     str(out), cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     m = res["median_ms"]
     assert res["precisions"] == ["fp32", "bf16"] and set(m) == {"env", "fp32", "bf16"}
     for p in ("fp32", "bf16"):
-        assert set(m[p]) == {"a3g_act", "a3g_update", "ga3c_act", "ga3c_update", "ga3c_update_unchunked"}
+        assert set(m[p]) == {"a3g_act", "a3g_update", "ga3c_act", "ga3c_update", "ga3c_update_unchunked",
+                             "ga3c_update_lagged", "ga3c_update_lagged_unchunked"}
         assert all(v > 0 for v in m[p].values())
         for mode in ("a3g", "ga3c"):
             key = f"{mode} {p}"
@@ -154,6 +155,7 @@ def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
                        * res["model_mflop_per_step"] / roof) < 1e-9
     assert res["ceiling_over_a3g"]["a3g fp32"] == 1.0
     assert "GA3C / A3G at most" in proc.stdout and "native bf16:" in proc.stdout
+    assert proc.stdout.count("with the first conv block in one piece") == 4  # 2 lines in each precision
 
 
 @pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"]])

@@ -180,3 +180,43 @@ def test_lstm_replay_backward_equals_autograd_through_lstmcell_steps(steps):
     assert torch.allclose(hs, reference_h, atol=1e-12)
     for (name, _), a, b in zip([("input", None)] + list(lstm.named_parameters()), replay, reference):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-8), name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [3, 9])
+def test_the_first_block_in_pieces_is_the_same_function_as_in_one_piece(monkeypatch, precision, batch):
+    """``features`` runs the first conv block a few frames at a time on a CPU: the same features, saved
+    activations and gradients as one piece (a batch the piece size does not divide, and one it does not reach)."""
+    import model
+    from model import ActivationCache
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64).channels_last().set_precision(dtype)
+    frames = torch.rand(batch, 1, 80, 80)
+    frames[:, :, :20] = 0.0  # ties inside max-pool windows
+    assert model.FIRST_BLOCK_CHUNK == 4
+    results = []
+    for chunk in (model.FIRST_BLOCK_CHUNK, 10 ** 9):
+        monkeypatch.setattr(model, "FIRST_BLOCK_CHUNK", chunk)
+        cache = ActivationCache()
+        with torch.no_grad():
+            acted = m.features(frames, cache)
+        m.zero_grad(set_to_none=True)
+        feats = m.features(frames)
+        (feats * torch.linspace(-1, 1, feats.shape[1])).square().sum().backward()
+        results.append((acted, cache.stacked(), feats.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                                                  if n.startswith("conv")}))
+    (acted, blocks, feats, grads), (acted1, blocks1, feats1, grads1) = results
+    assert torch.equal(acted, acted1) and torch.equal(feats, feats1) and torch.equal(acted, feats)
+    assert len(blocks) == len(blocks1) == 4
+    for block, block1 in zip(blocks, blocks1):
+        for a, b in zip(block, block1):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert blocks[0][1].shape == (batch, 32, 40, 40) and blocks[0][2].dtype == dtype
+    assert blocks[1][0].is_contiguous(memory_format=torch.channels_last)
+    # the pieces' weight gradients are summed in float32; in bf16 each piece's is rounded to bf16 first
+    rtol = 1e-5 if precision == "fp32" else 2e-2
+    assert set(grads) == set(grads1) == {f"conv{k}.{p}" for k in range(1, 5) for p in ("weight", "bias")}
+    for name in grads:
+        assert grads[name].dtype == torch.float32 and grads[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], grads1[name], rtol=rtol, atol=rtol * grads1[name].abs().max()), name
