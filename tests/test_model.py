@@ -219,4 +219,5 @@ def test_the_first_block_in_pieces_is_the_same_function_as_in_one_piece(monkeypa
     assert set(grads) == set(grads1) == {f"conv{k}.{p}" for k in range(1, 5) for p in ("weight", "bias")}
     for name in grads:
         assert grads[name].dtype == torch.float32 and grads[name].abs().sum() > 0, name
-        torch.testing.assert_close(grads[name], grads1[name], rtol=rtol, atol=rtol * grads1[name].abs().max()), name
+        torch.testing.assert_close(grads[name], grads1[name], rtol=rtol, atol=rtol * grads1[name].abs().max(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
