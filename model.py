@@ -89,9 +89,12 @@ class A3Clstm(nn.Module):
         With ``cache`` (acting under ``no_grad``), each block's input, max-pool indices and output are appended
         to it, so that a later update can compute the conv weight gradients without running the convolutions
         forward again (see ``unroll``). The blocks run in ``compute_dtype`` (their saved activations too); the
-        features returned are float32. On a CPU the first block runs ``FIRST_BLOCK_CHUNK`` frames at a time: its
-        output before the pool (32 x 80 x 80 values a frame) and, under autograd, the gradient of it then stay in
-        the cache. The values are those of one piece; the conv1 weight gradient is summed over the pieces.
+        features returned are float32. On a CPU the first block's convolution and max-pool run
+        ``FIRST_BLOCK_CHUNK`` frames at a time, so that the convolution's output (32 x 80 x 80 values a frame) and,
+        under autograd, its gradient stay in the CPU's caches while they are used; the pooled pieces are
+        concatenated and go through one ReLU (max-pool and ReLU commute), so that autograd keeps one copy of the
+        block's output. The values are the same as in one piece; the conv1 weight gradient is the sum of the
+        pieces'. Autograd still keeps each piece's pre-pool output for the max-pool backward.
         """
         x = x.to(self.compute_dtype)
         if self.conv2.weight.is_contiguous(memory_format=torch.channels_last):
@@ -99,19 +102,18 @@ class A3Clstm(nn.Module):
         chunk = FIRST_BLOCK_CHUNK if x.device.type == "cpu" else x.shape[0]
         for k, conv in enumerate(self.convs()):
             parts = x.split(chunk) if k == 0 and len(x) > chunk else (x,)
-            pieces = [self._block(conv, p, cache is not None) for p in parts]
-            out = pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces])
+            pieces = [self._conv_pool(conv, p, cache is not None) for p in parts]
+            out = F.relu(pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces]))
             if cache is not None:
                 cache.add(x, pieces[0][1] if len(pieces) == 1 else torch.cat([p[1] for p in pieces]), out)
             x = out
         return x.flatten(1).float()
 
-    def _block(self, conv: nn.Conv2d, x: torch.Tensor, with_indices: bool):
-        """conv -> max-pool 2x2 -> ReLU: ``(output, max-pool indices or None)``."""
+    def _conv_pool(self, conv: nn.Conv2d, x: torch.Tensor, with_indices: bool):
+        """A conv block before its ReLU, conv -> max-pool 2x2: ``(pooled, max-pool indices or None)``."""
         if not with_indices:
-            return F.relu(F.max_pool2d(self._conv(conv, x), 2, 2)), None
-        pooled, indices = F.max_pool2d(self._conv(conv, x), 2, 2, return_indices=True)
-        return F.relu(pooled), indices
+            return F.max_pool2d(self._conv(conv, x), 2, 2), None
+        return F.max_pool2d(self._conv(conv, x), 2, 2, return_indices=True)
 
     def heads(self, hx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hx (B, H) -> value (B, 1), logits (B, A)``."""
@@ -208,8 +210,17 @@ class ActivationCache:
         return len(self.steps)
 
     def stacked(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per block, the T steps concatenated along the batch dimension."""
-        return [tuple(torch.cat([step[b][i] for step in self.steps]) for i in range(3)) for b in range(4)]
+        """Per block, the T steps concatenated along the batch dimension. A block whose input was, at every step,
+        the previous block's output (as ``A3Clstm.features`` saves them) gets that block's concatenated output
+        as its input: one copy, not two."""
+        blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for b in range(4):
+            if b and all(step[b][0] is step[b - 1][2] for step in self.steps):
+                block_input = blocks[-1][2]
+            else:
+                block_input = torch.cat([step[b][0] for step in self.steps])
+            blocks.append((block_input, *(torch.cat([step[b][i] for step in self.steps]) for i in (1, 2))))
+        return blocks
 
 
 class _LSTMReplay(torch.autograd.Function):
@@ -264,18 +275,21 @@ class _Replay(torch.autograd.Function):
     max-pool with the saved indices, convolution) done by hand over the batch of saved activations, in their
     dtype: bfloat16 activations (``--precision bf16``) give a bfloat16 backward against the weights cast to
     bfloat16, as a second forward in bf16 would. The weight and bias gradients are returned as float32, the
-    first block's pieces summed in float32. The gradients are exactly those of running the encoder again
-    (tested), without the second forward pass.
+    first block's pieces summed in float32. The gradients are those of running the encoder again on the same
+    activations, equal up to float rounding (tested), without the second forward pass. The activations are held
+    through ``save_for_backward``, so autograd frees them after the backward, as it frees its own.
     """
 
     @staticmethod
     def forward(ctx, blocks, convs, *params):
-        ctx.blocks, ctx.convs = blocks, convs
+        ctx.save_for_backward(*(t for block in blocks for t in block))
+        ctx.convs = convs
         return blocks[-1][2].flatten(1).float()
 
     @staticmethod
     def backward(ctx, grad):
-        blocks, convs = ctx.blocks, ctx.convs
+        saved, convs = ctx.saved_tensors, ctx.convs
+        blocks = [saved[3 * k: 3 * k + 3] for k in range(len(saved) // 3)]
         grads: list[torch.Tensor | None] = [None] * (2 * len(convs))
         g = grad.reshape(blocks[-1][2].shape).to(blocks[-1][2].dtype)
         for k in range(len(convs) - 1, -1, -1):

@@ -7,10 +7,10 @@ boundary there, and a thread that fails takes no lock with it; the agents, the o
 through ``buffers.EnvSlots``.
 
 Predictor p of NP owns env slots ``p, p + NP, ...`` (each slot's LSTM state has one writer) and acts with a
-private, channels-last copy of the model refreshed every ``sync_every`` updates (``private_predictor_models``),
-or with the shared model itself. A thread that raises records its traceback in ``failures`` and halts this
-server (not the run: the server process reports the failure and exits non-zero, and the main process stops the
-run when it sees that).
+private, channels-last copy of the model refreshed every ``sync_every`` updates, under the trainers'
+``step_lock`` (never with the shared model itself, which the trainers step while it would act). A thread that
+raises records its traceback in ``failures`` and halts this server (not the run: the server process reports the
+failure and exits non-zero, and the main process stops the run when it sees that).
 
 Devices (``ga3c_devices``): the CPU by default; with one GPU, trainers and predictors both use it; with two or
 more, the first half of ``--gpu-ids`` trains and the second half predicts (tensorpack's split), trainer t on the
@@ -77,8 +77,7 @@ class Server:
     def __init__(self, shared_model: A3Clstm, optimizer: torch.optim.Optimizer, buffers: EnvSlots, counters,
                  settings: Ga3cSettings, stop, *, num_predictors: int = 1, num_trainers: int = 1,
                  device: torch.device | str = "cpu", trainer_devices: list | None = None,
-                 predictor_devices: list | None = None, private_predictor_models: bool = True,
-                 sync_every: int = 1, seed: int = 0):
+                 predictor_devices: list | None = None, sync_every: int = 1, seed: int = 0):
         self.shared_model = shared_model
         self.optimizer = optimizer
         self.buffers = buffers
@@ -88,7 +87,6 @@ class Server:
         self.halt = threading.Event()
         self.trainer_devices = [torch.device(d) for d in (trainer_devices or [device])]
         self.predictor_devices = [torch.device(d) for d in (predictor_devices or [device])]
-        self.private = private_predictor_models
         self.sync_every = sync_every
         self.seed = seed
         self.segments: queue.Queue = queue.Queue(maxsize=settings.queue_size)
@@ -111,8 +109,6 @@ class Server:
     # ---- construction -----------------------------------------------------------------------------------------
     def _predictor_model(self, p: int, device: torch.device):
         dtype = compute_dtype(self.settings.compute_precision)
-        if not self.private:  # this process's object: the attribute does not reach the main process's model
-            return self.shared_model.set_precision(dtype), None
         if p not in self._private_models:
             m = self.shared_model
             self._private_models[p] = A3Clstm(m.conv1.in_channels, m.num_actions,

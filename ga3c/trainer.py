@@ -22,12 +22,12 @@ cross-process lock is involved).
 Policy lag: each update records, per batch, the mean and max over steps of ``version now - version that acted``.
 
 Saved activations (``--replay-activations``): the gradient of an update is always the one at the weights the
-trainer copied (model version v). A frame acted on by version v has conv activations that are exactly those of
-these weights, so its features come from them and its conv gradients from their replay (``model._Replay``); a
-frame acted on by any other version has its features computed again with the weights that train (the
-``--no-replay-activations`` path), because replaying its activations would mix the acting convolutions with the
-current LSTM, heads and conv weights (``benchmarks/replay_lag.py`` measures how far that mix is from either
-gradient). The choice is per frame: a frame's conv features depend on that frame and the conv weights only.
+trainer copied (model version v). A frame acted on by version v has conv activations of these weights (equal up
+to float rounding to a second forward, which may batch the frames differently), so its features come from them
+and its conv gradients from their replay (``model._Replay``); a frame acted on by any other version has its
+features computed again with the weights that train (the ``--no-replay-activations`` path), because replaying
+its activations would mix the acting convolutions with the current LSTM, heads and conv weights
+(``benchmarks/replay_lag.py`` measures how far that mix is from either gradient). The choice is per frame: a frame's conv features depend on that frame and the conv weights only.
 The version is read and the weights copied under ``step_lock``, and the version moves under it with the
 optimizer step, so with several trainers the version a trainer compares with is the one of the weights it holds.
 """

@@ -221,3 +221,89 @@ def test_the_first_block_in_pieces_is_the_same_function_as_in_one_piece(monkeypa
         assert grads[name].dtype == torch.float32 and grads[name].abs().sum() > 0, name
         torch.testing.assert_close(grads[name], grads1[name], rtol=rtol, atol=rtol * grads1[name].abs().max(),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _acted_cache(m, frames, state):
+    """An ``ActivationCache`` filled by acting on ``frames`` one at a time, as a worker does."""
+    from model import ActivationCache
+    cache = ActivationCache()
+    with torch.no_grad():
+        hx, cx = state
+        for t in range(frames.shape[0]):
+            _, _, (hx, cx) = m(frames[t:t + 1], (hx, cx), cache)
+    return cache
+
+
+def test_stacked_activations_hold_each_block_output_once():
+    """``ActivationCache.stacked`` gives block k+1 block k's concatenated output as its input (one copy, not
+    two), with the values of concatenating every field; a cache whose inputs are other tensors is copied."""
+    from model import ActivationCache
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64).channels_last()
+    cache = _acted_cache(m, torch.rand(5, 1, 80, 80), m.initial_state())
+    blocks = cache.stacked()
+    assert len(blocks) == 4
+    for b, block in enumerate(blocks):
+        for i, t in enumerate(block):
+            assert torch.equal(t, torch.cat([step[b][i] for step in cache.steps])), (b, i)
+        assert block[0].shape[0] == 5
+        if b:
+            assert block[0].data_ptr() == blocks[b - 1][2].data_ptr(), b
+    other = ActivationCache()
+    for step in cache.steps:
+        for block_input, indices, output in step:
+            other.add(block_input.clone(), indices, output)
+    copied = other.stacked()
+    for b in range(1, 4):
+        assert copied[b][0].data_ptr() != copied[b - 1][2].data_ptr()
+        assert torch.equal(copied[b][0], blocks[b][0])
+
+
+def test_replay_frees_the_saved_activations_after_backward(monkeypatch):
+    """The replayed activations go when the backward is done, while the loss that used them is still alive (a
+    worker keeps its last loss through the next rollout)."""
+    import weakref
+
+    from model import ActivationCache
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64).channels_last()
+    frames = torch.rand(4, 1, 80, 80)
+    cache = _acted_cache(m, frames, m.initial_state())
+    refs = []
+    stacked = ActivationCache.stacked
+
+    def watched(self):
+        blocks = stacked(self)
+        refs.extend(weakref.ref(t) for block in blocks for t in block)
+        return blocks
+
+    monkeypatch.setattr(ActivationCache, "stacked", watched)
+    values, logits = m.unroll(frames, m.initial_state(), cache)
+    loss = values.pow(2).sum() + logits.logsumexp(1).sum()
+    del values, logits, cache
+    assert len(refs) == 12 and all(r() is not None for r in refs)
+    loss.backward()
+    assert m.conv1.weight.grad.abs().sum() > 0
+    assert [r() for r in refs] == [None] * 12
+
+
+@pytest.mark.parametrize("batch", [9, 3])
+def test_autograd_keeps_one_copy_of_the_first_block_output(batch):
+    """Under autograd the first block, run in pieces, leaves its output (32 x 40 x 40 a frame) saved once for
+    the backward: the ReLU's result and conv2's input are one tensor, not the pieces' and their concatenation."""
+    import model
+    torch.manual_seed(0)
+    m = A3Clstm(1, 6, 64).channels_last()
+    assert batch > model.FIRST_BLOCK_CHUNK or batch < model.FIRST_BLOCK_CHUNK
+    saved = {}
+
+    def pack(t):
+        if t.is_floating_point() and tuple(t.shape[1:]) == (32, 40, 40):
+            saved[t.untyped_storage().data_ptr()] = t.shape[0]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        feats = m.features(torch.rand(batch, 1, 80, 80))
+    assert saved and sum(saved.values()) == batch, saved
+    feats.sum().backward()
+    assert m.conv1.weight.grad.abs().sum() > 0
