@@ -163,7 +163,9 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """A lost life ends the learner's episode (``terminated=True``) but not the game.
 
     The ``reset`` that follows a lost life takes one NOOP step instead of a real reset; any other reset (after
-    game over, mid-episode, or with a seed) is a real one. ``info["game_over"]`` tells whether the game itself
+    game over, mid-episode, or with a seed) is a real one. A life lost on the step that a time limit truncates
+    is still a termination (``terminated`` and ``truncated`` both true: the learner bootstraps 0 from it), and
+    the reset after it is a real one, since the game was cut. ``info["game_over"]`` tells whether the game itself
     ended (used to count games).
     """
 
@@ -177,8 +179,9 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
         obs, reward, terminated, truncated, info = self.env.step(action)
         game_over = bool(terminated or truncated)
         lives = self.env.unwrapped.ale.lives()
-        self.life_lost = not game_over and 0 < lives < self.lives
-        if self.life_lost:
+        lost = not terminated and 0 < lives < self.lives
+        self.life_lost = lost and not truncated
+        if lost:
             terminated = True
         self.lives = lives
         info["game_over"] = game_over

@@ -188,6 +188,24 @@ def test_episodic_life_semantics():
     assert inner.resets == 3  # a reset mid-game (or seeded) is a real one
 
 
+def test_a_life_lost_on_the_time_limit_step_is_a_termination():
+    """The learner bootstraps 0 from a lost life even when the time limit cuts that same step, and the reset
+    after it is a real one (the game was cut). Both agent paths test ``terminated`` before ``truncated``."""
+    inner = FakeAtari(life_every=3, lives=3)
+    env = EpisodicLife(gym.wrappers.TimeLimit(inner, max_episode_steps=3))
+    env.reset()
+    assert [env.step(0)[2:4] for _ in range(2)] == [(False, False)] * 2
+    _, _, terminated, truncated, info = env.step(0)
+    assert terminated and truncated and info["game_over"] is True
+    env.reset()
+    assert inner.resets == 2 and inner.ale.lives() == 3  # a real reset, not the NOOP after a lost life
+    inner_short = FakeAtari(life_every=5, lives=3)
+    env = EpisodicLife(gym.wrappers.TimeLimit(inner_short, max_episode_steps=3))
+    env.reset()
+    _, _, terminated, truncated, _ = [env.step(0) for _ in range(3)][-1]
+    assert truncated and not terminated  # cut with no life lost: bootstrap from V(s)
+
+
 def test_fire_reset_presses_fire_then_2():
     inner = FakeAtari(life_every=1000)
     env = FireReset(inner)
