@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-every-steps", type=int, default=20000,
                    help="the monitor starts a test game every this many global steps (default: %(default)s)")
     p.add_argument("--test-every-seconds", type=float, default=0,
-                   help="... or every this many seconds, whichever comes first; 0 = off")
+                   help="... or this many seconds after the last one ended, whichever comes first; 0 = off")
     p.add_argument("--status-every-seconds", type=float, default=60,
                    help="log a status line (steps/s, smoothed losses) this often (default: %(default)s)")
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,

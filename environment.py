@@ -328,7 +328,7 @@ def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_l
     return {
         "env_id": env_id,
         "frameskip": skip_rate if spec.frameskip_by_us else spec.frameskip,
-        "max_over_frames": MAX_OVER_FRAMES if spec.frameskip_by_us else 1,
+        "max_over_frames": min(skip_rate, MAX_OVER_FRAMES) if spec.frameskip_by_us else 1,
         "repeat_action_probability": spec.repeat_action_probability,
         "noop_starts": NOOP_MAX if spec.frameskip_by_us else 0,
         "episodic_life": episodic_life,

@@ -161,6 +161,14 @@ class VideoWriter:
             self.writer.close()
 
 
+def frameskip_words(skip) -> str:
+    """A protocol's ``frameskip`` in words: ``4``, or ``2-4 (random)`` for ALE's range ``(2, 5)`` (its upper bound
+    excluded)."""
+    if isinstance(skip, (tuple, list)):
+        return f"{skip[0]}-{skip[1] - 1} (random)"
+    return str(skip)
+
+
 def real_time_fps(args: argparse.Namespace) -> float:
     """Video frames per second for real-time playback: the Atari runs at 60 frames/s and each video frame is one
     agent step of ``frameskip`` frames (the mean for stochastic frameskips such as ``(2, 5)``)."""
@@ -293,7 +301,9 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
         return f"card: no evaluation on {env_id} (trained on {claim['trained_on']})"
     line = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
             f"this run: {n} games {s['mean']:.2f} ± {s['std']:.2f}")
-    differs = [f"{k} {v} (card: {e['protocol'].get(k)})" for k, v in proto.items() if e["protocol"].get(k) != v]
+    as_stored = json.loads(json.dumps(proto))  # as a card holds it: a tuple (a frame-skip range) is a list there
+    differs = [f"{k} {v} (card: {e['protocol'].get(k)})" for k, v in proto.items()
+               if e["protocol"].get(k) != as_stored[k]]
     if e.get("precision") != compute_precision:
         differs.append(f"precision {compute_precision} (card: {e.get('precision')})")
     return line + (f"; not the card's protocol: {', '.join(differs)}" if differs else "")
@@ -400,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     s = summarize(score_list)
     wall = time.time() - start
     summary = (f"{args.env}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, max {s['max']:g}, "
-               f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {proto['frameskip']}, sticky actions "
+               f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {frameskip_words(proto['frameskip'])}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
                f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps"
                f"{'' if args.compute_precision == 'fp32' else ', model in ' + args.compute_precision})")

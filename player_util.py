@@ -184,10 +184,12 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
     FIRE and action 2 where the game has FIRE, and a zeroed LSTM state; upstream's test and evaluation did the
     same. Learners never press FIRE to relaunch the ball themselves, so without this a greedy policy stalls
-    Breakout after its first lost life until the time limit.
+    Breakout after its first lost life until the time limit. With sticky actions (0.25) a press is lost when all
+    4 of its raw frames repeat the action before it (0.25^4, about 0.4% of presses), and then it still stalls.
 
-    Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart
-    steps included, as the time limit counts them), and False when ``should_stop()`` became true mid-game.
+    Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart steps
+    after a lost life included), and False when ``should_stop()`` became true mid-game. The time limit counts
+    the reset's FIRE and action 2 as well, so in a game with FIRE a game it cuts has a length 2 under it.
     ``on_frame(env)`` is called after every step (recording: one video frame per agent step). ``points``, when
     given, gets ``(agent step, reward)`` appended for every step with a non-zero reward (the step counted from 1,
     as ``length`` counts it). ``trace``, when given, gets ``(agent step, action, reward, value, probabilities)``

@@ -1,7 +1,8 @@
 """The monitor: plays greedy whole games with the latest shared weights, logs them, and saves the model.
 
-Cadence: a game starts every ``--test-every-steps`` global agent steps (or ``--test-every-seconds``, whichever
-comes first), so on a small machine it costs a few percent of the workers' time instead of a core.
+Cadence: a game starts ``--test-every-steps`` global agent steps after the start of the last one (or
+``--test-every-seconds`` after its end, whichever comes first), so on a small machine it costs a few percent of the
+workers' time instead of a core.
 
 Per game it writes the upstream line to ``<log-dir>/<env>_log`` (appended), one row to
 ``<log-dir>/<env>_monitor.csv``, a console line with global steps and steps/s, and, with

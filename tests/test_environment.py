@@ -352,3 +352,18 @@ def test_normalizer_stats_roundtrip_and_seeded_reset():
 def test_protocol_words():
     p = protocol("PongNoFrameskip-v0", max_episode_length=10000, skip_rate=4, episodic_life=False)
     assert p["repeat_action_probability"] == 0.25 and p["frameskip"] == 4 and p["noop_starts"] == 30
+    assert p["max_over_frames"] == 3
+
+
+@pytest.mark.parametrize("skip", [1, 2, 3, 5])
+def test_the_protocol_names_the_frames_the_skip_maxes_over(skip):
+    """``max_over_frames`` is what ``MaxAndSkip`` does at that skip: the last min(skip, 3) raw frames."""
+    frames = [[10 * (i + 1), 0, 0] for i in range(skip)]  # raw frame i holds 10 (i + 1): the max is the last
+    frames[0][1] = 255  # the first raw frame of the step has pixel 1's maximum
+    env = MaxAndSkip(ScriptedFrames(frames, [0.0] * skip), skip=skip)
+    env.reset()
+    obs, *_ = env.step(0)
+    maxed = protocol("PongNoFrameskip-v4", max_episode_length=10000, skip_rate=skip,
+                     episodic_life=False)["max_over_frames"]
+    assert maxed == min(skip, 3)
+    assert obs[1] == (255 if maxed == skip else 0)  # the first raw frame is maxed over iff all frames are

@@ -301,3 +301,27 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert lines["c"].split()[1:] == ["-", "-"]
     assert lines["median"].split()[3:] == ["4k", "/", "4", "min", "-"]  # 0: a, b reached; 20: only b
     assert not list(tmp_path.rglob("*.png"))
+
+
+@pytest.mark.parametrize("env_id", ["Pong-v0", "PongNoFrameskip-v4"])
+def test_the_frameskip_in_words_is_what_ale_does(env_id):
+    """The summary line's frameskip: ``Pong-v0``'s ALE range ``(2, 5)`` steps 2, 3 or 4 raw frames (ALE's upper
+    bound is excluded); a NoFrameskip id's wrapper steps 4."""
+    from environment import atari_env, load_env_config, protocol
+    from gym_eval import frameskip_words
+    proto = protocol(env_id, max_episode_length=10000, skip_rate=4, episodic_life=False)
+    words = frameskip_words(proto["frameskip"])
+    env = atari_env(env_id, load_env_config(ROOT / "config.json", env_id), max_episode_length=10000)
+    env.reset(seed=0)
+    ale = env.unwrapped.ale
+    seen = set()
+    for _ in range(200):
+        before = ale.getEpisodeFrameNumber()
+        _, _, terminated, truncated, _ = env.step(0)
+        seen.add(ale.getEpisodeFrameNumber() - before)
+        assert not (terminated or truncated)
+    env.close()
+    if env_id == "Pong-v0":
+        assert words == "2-4 (random)" and seen == {2, 3, 4}
+    else:
+        assert words == "4" and seen == {4}

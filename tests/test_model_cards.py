@@ -341,6 +341,24 @@ def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
                                                                       "not compared")
 
 
+@pytest.mark.parametrize("env", ["Pong-v0", "ALE/Pong-v5", "PongNoFrameskip-v0"])
+def test_a_cards_protocol_read_back_from_json_is_the_same_protocol(env):
+    """A card holds its evaluation's protocol as JSON, where ``Pong-v0``'s frame-skip range is a list: the same
+    protocol is not reported as a different one, and a different one still is."""
+    from environment import protocol
+    from gym_eval import card_line
+    proto = protocol(env, max_episode_length=10000, skip_rate=4, episodic_life=False)
+    evaluation = {"env": env, "episodes": 100, "mean": 20.0, "std": 1.0, "source": "results/x.json",
+                  "precision": "fp32", "protocol": json.loads(json.dumps(proto))}
+    claim = {"path": "m.json", "trained_on": env, "evaluation": evaluation, "same_file": True}
+    run = {"mean": 20.5, "std": 0.5}
+    assert card_line(claim, env, 2, run, proto, "fp32") == (
+        f"card: {env} 100 games 20.00 ± 1.00 (results/x.json); this run: 2 games 20.50 ± 0.50")
+    other = protocol(env, max_episode_length=500, skip_rate=4, episodic_life=False)
+    assert card_line(claim, env, 2, run, other, "fp32").endswith(
+        "; not the card's protocol: time_limit_agent_steps 500 (card: 10000)")
+
+
 def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(shipped_pong_game):
     shipped = ROOT / "trained_models" / "PongNoFrameskip-v4.dat"
     card = json.loads(shipped.with_suffix(".json").read_text())
