@@ -19,6 +19,7 @@ almost nothing, and a dead predictor never blocks it past ``stop``.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,10 +92,18 @@ class EnvRunner:
             obs, _ = self.env.reset()
         return obs
 
-    def begin(self) -> None:
-        """Reset the environment and post its first observation. A slot taken over from a dead agent continues
-        its sequence numbers; ``episode_start`` makes the predictor drop the dead agent's unfinished segment."""
-        self.seq = self.buffers.submit(self.slot, self._reset(), episode_start=True)
+    def begin(self, timeout: float = 1.0) -> None:
+        """Reset the environment and post its first observation. A slot taken over from a dead or retired agent
+        continues its sequence numbers; ``episode_start`` makes the predictor drop that agent's unfinished
+        segment. While that agent's last request is still unanswered the predictor may be copying it, so the slot
+        is written only once the answer is there (the protocol's rule), or after ``timeout`` seconds, when no
+        predictor is answering."""
+        obs = self._reset()
+        deadline = time.monotonic() + timeout
+        backoff = Backoff()
+        while self.buffers.req_seq[self.slot] != self.buffers.resp_seq[self.slot] and time.monotonic() < deadline:
+            backoff.wait()
+        self.seq = self.buffers.submit(self.slot, obs, episode_start=True)
 
     def answered(self) -> bool:
         return int(self.buffers.resp_seq[self.slot]) == self.seq

@@ -48,7 +48,9 @@ Request meanings:
   request already carries the next episode's first observation (with ``episode_start``), because the bootstrap
   is 0 and no value of the terminal observation is needed.
 - ``episode_start`` with neither flag set while the predictor still waits for an outcome: the agent restarted
-  (e.g. a replacement for a dead agent process): the predictor drops that slot's unfinished segment.
+  (e.g. a replacement for a dead agent process): the predictor drops that slot's unfinished segment. The new
+  agent writes the slot only once the old one's last request is answered (``EnvRunner.begin``; after a timeout
+  when no predictor answers), so step 3's rule holds across a takeover too.
 
 A dead agent leaves at most an answered request that nobody reads; the predictor never waits on a slot.
 """

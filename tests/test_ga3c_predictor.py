@@ -313,6 +313,30 @@ def test_a_restarted_agent_drops_the_unfinished_segment():
 
 
 
+def test_an_agent_taking_a_slot_over_writes_it_only_once_the_last_request_is_answered():
+    """A new agent does not write a slot while the old agent's last request is unanswered (the predictor may be
+    copying it): it posts its first request after the answer, or after its timeout when nothing answers."""
+    import threading
+    buffers = EnvSlots(1)
+    old = EnvRunner(0, ScriptEnv(0, []), buffers)
+    old.begin()
+    obs_before = buffers.obs[0].clone()
+    new = EnvRunner(0, ScriptEnv(1, []), buffers)
+    taking_over = threading.Thread(target=new.begin, kwargs={"timeout": 60.0})
+    taking_over.start()
+    taking_over.join(0.3)
+    assert taking_over.is_alive()
+    assert int(buffers.req_seq[0]) == 1 and torch.equal(buffers.obs[0], obs_before)  # nothing written
+    buffers.respond(torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), torch.tensor([0.5]), 0)
+    taking_over.join(60)
+    assert not taking_over.is_alive()
+    assert new.seq == int(buffers.req_seq[0]) == 2 and int(buffers.episode_start[0]) == 1
+    assert not torch.equal(buffers.obs[0], obs_before)
+    unanswered = EnvRunner(0, ScriptEnv(2, []), buffers)  # request 2 is never answered: no predictor
+    unanswered.begin(timeout=0.2)
+    assert unanswered.seq == int(buffers.req_seq[0]) == 3
+
+
 def test_a_lost_life_starts_the_slots_state_from_zero_and_the_game_goes_on(env_config):
     from environment import atari_env, load_env_config
     env = atari_env("BreakoutNoFrameskip-v4", load_env_config(env_config, "BreakoutNoFrameskip-v4"),
