@@ -3,7 +3,9 @@
 Two files per run in ``--save-model-dir``:
 - ``<env>.dat``: the drop-in model, a bare state_dict of the 16 upstream keys as CPU tensors (upstream format).
 - ``<env>.ckpt``: the full checkpoint, a dict with ``model``, ``optimizer`` (or None without a shared optimizer),
-  ``global_steps``, ``best_score``, ``norm_stats``, ``elapsed_seconds``, ``config`` and ``format``/``version``.
+  ``optimizer_name``, ``env``, ``global_steps``, ``best_score``, ``norm_stats``, ``monitor`` and ``recent_scores``
+  (the monitor's counters and last scores), ``elapsed_seconds``, ``config`` and ``format``/``version``, and a
+  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``).
 
 Both are written to a temporary file in the same folder and renamed over the old one, so a crash never leaves a
 half-written file in their place; a temporary file left by a process killed mid-write is removed by the next run

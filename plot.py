@@ -10,7 +10,7 @@ time counts from the first game). A curve is named after its run's folder. The i
 the extension: PNG, SVG or PDF.
 
 It also prints the time to each score: for every run, the global steps and the running time (the monitor's
-``elapsed_s``, which goes on across resumes) at which the mean of the last ``--window`` games first reached each of
+``elapsed_s``, which goes on across resumes from where the checkpoint left it) at which the mean of the last ``--window`` games first reached each of
 ``--levels`` (default -10 0 10 15 19 20, Pong's), then the median over the runs of each (a run that never reached a
 level counts as slower than every run that did; no median where that puts it among those runs).
 ``--no-figure`` prints the table alone.
@@ -67,22 +67,54 @@ def read_results(path: Path) -> dict:
     return {"steps": steps, "score": score, "hours": [(t - times[0]) / 3600 for t in times]}
 
 
-def read_curve(path: Path) -> dict:
+def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
+    """A monitor CSV (or GA3C's ``results.txt``) as ``{"steps", "score", "hours"}``, one entry per game.
+
+    A row cut short (a run killed while writing it; the monitor of the resumed run starts a new line after it)
+    is left out, with a warning; any other row that is not a row of numbers is an error naming its line. Where the global steps go back (a run resumed from a
+    checkpoint older than its last games), the games after that checkpoint are left out, as the monitor's own
+    running mean leaves them out, with a warning: their weights were lost with the resume. (So are a run's games
+    when another run from 0 was appended to its file.)
+    """
     if path.name == "results.txt":
         return read_results(path)
+    warnings = [] if warnings is None else warnings
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = [(reader.line_num, r) for r in reader]
+    cut = [line for line, r in rows if None in r.values()]
+    if cut and rows[0][1].keys() >= {"global_steps", "score", "elapsed_s"}:
+        warnings.append(f"{path} line{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}: cut short (its run "
+                        f"stopped while writing {'them' if len(cut) > 1 else 'it'}); left out")
+        rows = [(line, r) for line, r in rows if None not in r.values()]
     if not rows:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
         if {"global_steps", "score", "elapsed_s"} <= set(header):
             raise NoGamesYet(f"{path} has no games yet (its run has not finished a monitor game)")
         raise ValueError(f"{path} is not a monitor CSV (no rows)")
-    missing = {"global_steps", "score", "elapsed_s"} - set(rows[0].keys())
+    missing = {"global_steps", "score", "elapsed_s"} - set(rows[0][1].keys())
     if missing:
         raise ValueError(f"{path} is not a monitor CSV (missing {', '.join(sorted(missing))})")
-    return {"steps": [int(r["global_steps"]) for r in rows], "score": [float(r["score"]) for r in rows],
-            "hours": [float(r["elapsed_s"]) / 3600 for r in rows]}
+    steps, score, hours = [], [], []
+    superseded = 0
+    for line, r in rows:
+        try:
+            if None in r:  # more values than columns
+                raise ValueError
+            game = int(r["global_steps"]), float(r["score"]), float(r["elapsed_s"]) / 3600
+        except ValueError:
+            raise ValueError(f"{path} line {line} is not a monitor CSV row (global_steps, score and elapsed_s "
+                             f"as numbers, one value per column)") from None
+        while steps and steps[-1] >= game[0]:
+            steps.pop(), score.pop(), hours.pop()
+            superseded += 1
+        steps.append(game[0]), score.append(game[1]), hours.append(game[2])
+    if superseded:
+        warnings.append(f"{path}: {superseded} game(s) left out, after which the global steps go back (a run "
+                        f"resumed from an earlier checkpoint, or another run appended to this file): the curve "
+                        f"keeps the games of the last timeline")
+    return {"steps": steps, "score": score, "hours": hours}
 
 
 def rolling_mean(values: list[float], window: int) -> list[float]:
@@ -141,7 +173,7 @@ def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: in
     """The table ``plot.py`` prints: one row per run and the median row (see the module docstring)."""
     rows = [(name, first_reached(c["score"], c["steps"], [h * 3600 for h in c["hours"]], levels, window))
             for name, c in named_curves]
-    width = max([len("median") + 2] + [len(name) for name, _ in rows])
+    width = max([len(f"median of {len(rows)}") + 2] + [len(name) for name, _ in rows])
     head = f"{'run':{width}s}" + "".join(f"{f'mean >= {level:g}':>22s}" for level in levels)
     lines = [f"global steps / running time at which the mean of the last {window} games first reached each level "
              f"(the median row: the median of each, taken separately):", head]
@@ -196,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--window must be >= 1, got {args.window}")
     if args.max_steps is not None and args.max_steps < 1:
         errors.append(f"--max-steps must be >= 1, got {args.max_steps}")
-    curves, empty = [], []
+    curves, empty, warnings = [], [], []
     for path in paths:
         try:
-            curve = read_curve(path)
+            curve = read_curve(path, warnings)
             if args.max_steps is not None and args.max_steps >= 1:
                 keep = [i for i, s in enumerate(curve["steps"]) if s <= args.max_steps]
                 if not keep:
@@ -221,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in errors:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    for w in warnings:
+        print(f"{PROG}: warning: {w}", file=sys.stderr)
 
     envs, runs, labels = set(), [], []
     names = [label_for(path) for path, _ in curves]

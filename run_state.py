@@ -210,21 +210,23 @@ class RunState:
             row[i] = v if first else EMA * row[i].item() + (1 - EMA) * v
 
     def record_game(self, score: float) -> float | None:
-        """Add a monitor game; return the mean of the last ``score_window`` games once that many were played."""
+        """Add a monitor game; return the mean of the last ``score_window`` games once that many were played and
+        are known (a resume with a larger ``--score-window`` than its checkpoint's knows fewer at first)."""
         games = int(self.monitor[0].item())
         self.recent[games % self.recent.numel()] = score
         self.monitor[0] += 1
         self.monitor[1] += score
         if score > self.monitor[2].item():
             self.monitor[2] = score
-        if games + 1 >= self.recent.numel():
+        if games + 1 >= self.recent.numel() and not bool(self.recent.isnan().any()):
             return float(self.recent.mean())
         return None
 
     def recent_scores(self) -> list[float]:
-        """The monitor's last ``score_window`` scores, oldest first."""
+        """The monitor's last ``score_window`` scores that are known, oldest first."""
         games, n = int(self.monitor[0].item()), self.recent.numel()
-        return [self.recent[i % n].item() for i in range(max(0, games - n), games)]
+        scores = [self.recent[i % n].item() for i in range(max(0, games - n), games)]
+        return [s for s in scores if not math.isnan(s)]
 
     def snapshot(self) -> dict:
         """Counters and statistics for a checkpoint (plain values and CPU tensors)."""

@@ -42,12 +42,22 @@ def log_path(log_dir: str | Path, env_id: str) -> Path:
 
 
 def open_csv(path: Path):
-    """Open the per-game CSV for appending; write the header only to a new file."""
+    """Open the per-game CSV for appending; write the header only to a new file. A file whose last row was cut
+    short (a run killed while writing it) gets that line ended first, so that the next row starts a line of its
+    own (``plot.py`` leaves the cut row out)."""
     new = not path.exists() or path.stat().st_size == 0
+    ended = True
+    if not new:
+        with open(path, "rb") as old:
+            old.seek(-1, 2)
+            ended = old.read(1) == b"\n"
     f = open(path, "a", newline="")
     writer = csv.writer(f)
     if new:
         writer.writerow(CSV_FIELDS)
+        f.flush()
+    elif not ended:
+        f.write("\r\n")
         f.flush()
     return f, writer
 

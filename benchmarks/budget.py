@@ -204,6 +204,10 @@ def measure(opts: argparse.Namespace) -> dict:
                                                  / (res["matmul_gflops_1_thread"] * 1000 * cores))
     base = res["step_ms"][f"a3g {opts.precisions[0]}"]
     res["ceiling_over_a3g"] = {key: base / ms for key, ms in res["step_ms"].items()}
+    if opts.lagged:  # a default GA3C run: no activations replayed, every update runs the encoder again
+        res["ga3c_default_step_ms"] = {p: med["env"] + med[p]["ga3c_act"] + med[p]["ga3c_update_lagged"]
+                                       for p in opts.precisions}
+        res["ga3c_default_ceiling_over_a3g"] = {p: base / ms for p, ms in res["ga3c_default_step_ms"].items()}
     return res
 
 
@@ -223,20 +227,27 @@ def report(res: dict) -> None:
     row("update + optimizer", [m[k.split()[1]][f"{k.split()[0]}_update"] for k in keys],
         f"   (1 x {res['num_steps']} / {res['train_batch']} x {res['num_steps']} frames)")
     row("total", [res["step_ms"][k] for k in keys])
-    print(f"ceiling on {res['cores']} cores, steps/s (and over A3G {precisions[0]}): " + ", ".join(
+    print(f"ceiling on {res['cores']} cores, steps/s (and over A3G {precisions[0]}; GA3C with "
+          f"--replay-activations): " + ", ".join(
         f"{k} {res['ceiling_steps_per_s'][k]:.0f} ({res['ceiling_over_a3g'][k]:.2f}x)" for k in keys))
     for p in precisions:
         ratio = res["ceiling_over_a3g"][f"ga3c {p}"] / res["ceiling_over_a3g"][f"a3g {p}"]
-        print(f"{p}: GA3C / A3G at most {ratio:.2f}x; GA3C update with the first conv block in one "
-              f"piece {m[p]['ga3c_update_unchunked']:.2f} ms, in pieces of {model_module.FIRST_BLOCK_CHUNK} frames "
+        print(f"{p}: GA3C (--replay-activations) / A3G at most {ratio:.2f}x; GA3C update with the first conv "
+              f"block in one piece {m[p]['ga3c_update_unchunked']:.2f} ms, in pieces of {model_module.FIRST_BLOCK_CHUNK} frames "
               f"{m[p]['ga3c_update']:.2f} ms")
         if "ga3c_update_lagged" in m[p]:
             print(f"{p}: GA3C update on segments acted on by an older version (the encoder runs again) "
                   f"{m[p]['ga3c_update_lagged']:.2f} ms, {m[p]['ga3c_update_lagged'] / m[p]['ga3c_update']:.2f}x "
                   f"the replay's; with the first conv block in one piece {m[p]['ga3c_update_lagged_unchunked']:.2f} "
                   f"ms")
+        if "ga3c_default_step_ms" in res:
+            print(f"{p}: a default GA3C run (no activations saved, the encoder runs again in every update): "
+                  f"{res['ga3c_default_step_ms'][p]:.2f} ms a step, at most "
+                  f"{res['ga3c_default_ceiling_over_a3g'][p]:.2f}x A3G {precisions[0]} (the acting forward timed "
+                  f"saves activations, so a little high)")
     print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread; {res['model_mflop_per_step']:.0f} "
-          f"MFLOP per step (benchmark.py's count); fraction of that roof at the ceilings: " + ", ".join(
+          f"MFLOP per step (benchmark.py's count); fraction of that fp32 roof at the ceilings (bf16 can pass 1): "
+          + ", ".join(
               f"{k} {res['ceiling_roof_fraction'][k]:.2f}" for k in keys))
 
 
@@ -266,6 +277,9 @@ def main(argv=None) -> int:
             return 2
     if opts.train_batch > opts.envs:
         print("budget.py: error: --train-batch must be <= --envs (each segment is one env's)", file=sys.stderr)
+        return 2
+    if opts.json and not Path(opts.json).resolve().parent.is_dir():
+        print(f"budget.py: error: --json {opts.json}: its folder does not exist", file=sys.stderr)
         return 2
     resolved = [precision_module.resolve(p, [torch.device("cpu")])[0] for p in opts.precisions]
     opts.precisions = list(dict.fromkeys(resolved))  # auto named once, in its place

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import stat
+import time
 
 import pytest
 
@@ -154,14 +155,28 @@ def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
             assert abs(res["ceiling_roof_fraction"][key] - res["ceiling_steps_per_s"][key]
                        * res["model_mflop_per_step"] / roof) < 1e-9
     assert res["ceiling_over_a3g"]["a3g fp32"] == 1.0
-    assert "GA3C / A3G at most" in proc.stdout and "native bf16:" in proc.stdout
+    for p in ("fp32", "bf16"):  # a default GA3C run: the lagged update, the encoder run again
+        total = m["env"] + m[p]["ga3c_act"] + m[p]["ga3c_update_lagged"]
+        assert abs(res["ga3c_default_step_ms"][p] - total) < 1e-9
+        assert abs(res["ga3c_default_ceiling_over_a3g"][p] - res["step_ms"]["a3g fp32"] / total) < 1e-9
+        assert f"{p}: a default GA3C run (no activations saved" in proc.stdout
+    assert "GA3C (--replay-activations) / A3G at most" in proc.stdout and "native bf16:" in proc.stdout
     assert proc.stdout.count("with the first conv block in one piece") == 4  # 2 lines in each precision
 
 
-@pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"]])
+@pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"],
+                                   ["--json", "no/such/folder/budget.json"]])
 def test_the_step_budget_rejects_bad_sizes_in_one_line(tmp_path, flags):
     proc = run_entry("benchmarks/budget.py", *flags, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "budget.py: error: --" in proc.stderr
+
+
+def test_the_benchmark_refuses_a_json_path_it_could_not_write_before_measuring(tmp_path):
+    start = time.time()
+    proc = run_entry("benchmarks/benchmark.py", "--json", "no/such/folder/bench.json", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == ("benchmark.py: error: --json no/such/folder/bench.json: its "
+                                                    "folder does not exist\n")
+    assert time.time() - start < 50 and not proc.stdout
 
 
 @pytest.mark.parametrize("flags, a3g, ga3c", [

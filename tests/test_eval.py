@@ -210,7 +210,8 @@ def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch,
     monkeypatch.setattr(plot, "rolling_mean", lambda values, window: drawn.append(list(values)) or real(values, window))
     out = str(tmp_path / "a.png")
     assert plot.main([str(csv), "--out", out, "--max-steps", "1000"]) == 0
-    assert drawn == [[-21.0, -20.0, -19.0]]  # the games at or before 1,000 steps, the out-of-order one included
+    assert drawn == [[-21.0, -19.0]]  # the games at or before 1,000 steps; the one at 900 superseded by a resume
+    assert "1 game(s) left out, after which the global steps go back" in capsys.readouterr().err
     assert plot.main([str(csv), "--out", out, "--max-steps", "99"]) == 2
     assert "has no game at or before --max-steps 99" in capsys.readouterr().err
     assert plot.main([str(csv), "--out", out, "--max-steps", "0"]) == 2
@@ -220,6 +221,44 @@ def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch,
 def test_plot_bad_input(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
+
+
+HEADER = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean"
+
+
+@pytest.mark.parametrize("bad, line", [("1e9,30.0,3000,abc,100,1.0,0,", 4), ("1e9,30.0,3000,5,100,1.0,0,,7", 4),
+                                       ("1e9,30.0,,5,100,1.0,0,", 4)])
+def test_plot_names_the_line_of_a_broken_row(tmp_path, bad, line):
+    rows = [HEADER, "1e9,10.0,1000,-21,100,1.0,0,", "1e9,20.0,2000,-20,100,1.0,0,", bad,
+            "1e9,40.0,4000,-19,100,1.0,0,"]
+    (tmp_path / "a_monitor.csv").write_text("\n".join(rows) + "\n")
+    r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), "--no-figure", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"plot.py: error: {tmp_path / 'a_monitor.csv'} line {line} is not a monitor CSV row "
+                                f"(global_steps, score and elapsed_s as numbers, one value per column)")
+
+
+def test_a_row_cut_short_is_left_out_and_the_resumed_monitor_starts_a_new_line(tmp_path):
+    """A run killed while the monitor wrote a row leaves it cut short; the resumed run's monitor ends that line
+    before its own rows, and plot.py leaves the cut row out (with a warning) instead of reading '2' as a score."""
+    from test import CSV_FIELDS, open_csv
+    path = tmp_path / "PongNoFrameskip-v4_monitor.csv"
+    f, writer = open_csv(path)
+    writer.writerow([1e9, 10.0, 1000, -21.0, 100, 1.0, 0, ""])
+    writer.writerow([1e9, 20.0, 2000, -20.0, 100, 1.0, 0, ""])
+    f.close()
+    with open(path, "a") as cut:
+        cut.write("1000000000.0,30.0,3000,2")  # cut inside the score (-20): 4 of 8 fields
+    f, writer = open_csv(path)
+    writer.writerow([1e9, 40.0, 4000, 5.0, 100, 1.0, 0, ""])
+    f.close()
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(CSV_FIELDS) and lines[3] == "1000000000.0,30.0,3000,2" and len(lines) == 5
+    r = run_entry("plot.py", str(path), "--no-figure", "--window", "1", "--levels", "2", "5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"{path} line 4: cut short" in r.stderr
+    row = r.stdout.splitlines()[2].split()
+    assert row[1:] == ["4k", "/", "1", "min"] * 2  # 2 and 5 reached at 4,000 steps: the cut '2' was never a score
 
 
 def render_one_game(tmp_path, model_dir, env_extra):

@@ -178,6 +178,30 @@ def test_run_state_counts_steps_over_a_restored_base():
 
 
 # ---------------------------------------------------------------------------------------------- AnyOf
+@pytest.mark.parametrize("old_window, new_window", [(4, 10), (10, 4), (4, 4)])
+def test_the_monitor_window_after_a_resume_with_another_score_window(old_window, new_window):
+    """A resumed run's window mean is the mean of the last ``new_window`` known scores, None until it knows that
+    many (never NaN: the CSV and --target-score read it), and its checkpoint saves only known scores."""
+    run = RunState(1, score_window=old_window)
+    scores = [float(s) for s in range(1, 7)]
+    for s in scores:
+        run.record_game(s)
+    resumed = RunState(1, score_window=new_window)
+    resumed.restore(run.snapshot())
+    known = scores[-old_window:]
+    for s in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0):
+        known.append(s)
+        mean = resumed.record_game(s)
+        if len(known) >= new_window:
+            assert mean == pytest.approx(sum(known[-new_window:]) / new_window)
+        else:
+            assert mean is None
+        assert resumed.recent_scores() == known[-new_window:]
+        again = RunState(1, score_window=new_window)
+        again.restore(resumed.snapshot())
+        assert again.recent_scores() == known[-new_window:]
+
+
 def test_any_of_is_set_when_any_one_flag_is():
     a, b, e = Flag(), Flag(), threading.Event()
     stop = AnyOf(a, b, e)

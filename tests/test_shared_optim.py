@@ -84,6 +84,17 @@ def test_load_state_dict_keeps_the_constructors_hyperparameters(cls, kw):
     assert all(s["step"].item() == 1 for s in dst.state.values())  # the statistics did come over
 
 
+@pytest.mark.parametrize("src_cls, dst_cls", [(SharedRMSprop, SharedAdam), (SharedAdam, SharedRMSprop)])
+def test_another_optimizers_statistics_are_refused(src_cls, dst_cls):
+    src = src_cls(make_params(), lr=1e-2)
+    for p in src.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    src.step()
+    dst = dst_cls(make_params(), lr=1e-2)
+    with pytest.raises(ValueError, match="another optimizer's statistics"):
+        dst.load_state_dict(src.state_dict())
+
+
 def test_resuming_plain_adam_statistics_with_amsgrad_on_steps():
     src = SharedAdam(make_params(), lr=1e-2)
     for p in src.param_groups[0]["params"]:
