@@ -167,6 +167,8 @@ def cpu_state_dict(model: torch.nn.Module) -> "OrderedDict[str, torch.Tensor]":
 def read_weights(path: str | Path) -> dict:
     """Load a ``.dat`` or ``.ckpt`` file with ``weights_only=True``; raise ``ModelFileError`` in plain words."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"model file {path} is a folder, not a model file")
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist")
     try:
@@ -174,7 +176,9 @@ def read_weights(path: str | Path) -> dict:
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError,
             AttributeError, TypeError, KeyError, IndexError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFileError(f"model file {path} is corrupt or not a PyTorch weights file ({reason[:160]})")
+        reason = reason.split(". ")[0].rstrip(".")[:160]
+        raise ModelFileError(f"model file {path} is corrupt or not a PyTorch weights file ({reason}): replace it "
+                             f"with a good copy, or point to another file")
     if not isinstance(obj, dict):
         raise ModelFileError(f"model file {path} holds a {type(obj).__name__}, not a state_dict")
     return obj

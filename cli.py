@@ -1,7 +1,8 @@
-"""Command-line helpers with no heavy imports: a one-line-error parser and boolean switches."""
+"""Command-line helpers with no heavy imports: a one-line-error parser, boolean switches, output path checks."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -60,3 +61,41 @@ class BoolFlag(argparse.Action):
                 setattr(namespace, self.dest, True if values is None else str2bool(values))
             except argparse.ArgumentTypeError as e:
                 parser.error(f"{option_string}: {e}")
+
+
+def _can_write_in(folder: Path) -> bool:
+    """Whether a file can be created in the existing ``folder`` (tried with a temporary file, removed at once:
+    permissions alone do not tell, e.g. for root in /proc)."""
+    import tempfile
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def validate_dir(path: str, flag: str) -> list[str]:
+    """Problems with ``path`` as a folder to write in, created if missing: it, or a folder above it, is a file, or
+    the nearest existing folder cannot be written. Nothing is created."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return [f"{flag} '{path}' is a file, not a folder"]
+    existing = p.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"{flag} '{path}': '{existing}' is a file, not a folder"]
+    if not _can_write_in(existing):
+        where = "" if existing == p.absolute() else f" ('{existing}', where it would be created)"
+        return [f"{flag} '{path}' cannot be written{where}: pick a folder you can write to"]
+    return []
+
+
+def validate_file(path: str, flag: str) -> list[str]:
+    """Problems with ``path`` as a file to write (its folder created if missing): a folder in its place, or a
+    folder for it that cannot be made or written. Nothing is created."""
+    p = Path(path)
+    if p.is_dir():
+        return [f"{flag} '{path}' is a folder: give a file name"]
+    return [e.replace(f"{flag} '{p.parent}'", f"{flag} '{path}': its folder '{p.parent}'", 1)
+            for e in validate_dir(str(p.parent), flag)]

@@ -7,13 +7,14 @@ starts and returns every problem at once, each as one line a user can act on.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
 import torch
 
 import precision
-from cli import BoolFlag, Parser
+from cli import BoolFlag, Parser, validate_dir, validate_file
 from precision import PRECISIONS
 from environment import EnvIdError, load_env_config, resolve_env_id
 from utils import safe_name
@@ -255,13 +256,6 @@ def validate_gpu_ids(gpu_ids: list[int], flag: str = "--gpu-ids") -> list[str]:
     return []
 
 
-def validate_dir(path: str, flag: str) -> list[str]:
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        return [f"{flag} '{path}' is a file, not a folder"]
-    return []
-
-
 def run_folder_name(args: argparse.Namespace) -> str:
     """A training run's default folder name, under ``runs/`` and ``logs/``: the env id (``/`` written as ``_``),
     with ``-ga3c`` in GA3C mode and ``-ray`` on Ray, so that a new run of one mode never finds another mode's model
@@ -279,6 +273,11 @@ def validate(args: argparse.Namespace) -> list[str]:
         args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
         args.load_model_dir = args.save_model_dir
+    not_finite = [f"--{name.replace('_', '-')} " for name, value in vars(args).items()
+                  if isinstance(value, float) and not math.isfinite(value)]
+    # nan compares false with every bound below, and inf passes some: one line for each, this one
+    errors += [f"{flag}must be a finite number, got {getattr(args, flag[2:-1].replace('-', '_'))}"
+               for flag in not_finite]
     checks = [
         (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
         (0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma}"),
@@ -301,7 +300,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.checkpoint_every_seconds > 0,
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]
-    errors += [msg for ok, msg in checks if not ok]
+    errors += [msg for ok, msg in checks if not ok and not msg.startswith(tuple(not_finite) or ("\0",))]
     if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
         args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):

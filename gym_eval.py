@@ -21,6 +21,8 @@ import lifeline
 
 if __name__ == "__mp_main__":  # an evaluation process: die with the main one (see lifeline.py)
     lifeline.bind_to_parent()
+if __name__ == "__main__":  # a Ctrl-C during the imports: one line, exit 130 (main() handles the later ones)
+    lifeline.quit_on_interrupt("gym_eval.py")
 
 import argparse
 import csv
@@ -38,7 +40,7 @@ import torch
 
 from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
 from cli import Parser
-from config import add_model_env_flags, validate_common, validate_gpu_ids
+from config import add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
 import precision
@@ -124,9 +126,11 @@ def validate(args: argparse.Namespace) -> list[str]:
                       "videos instead")
     if args.render and args.workers > 1:
         errors.append("--render shows games one at a time: use it with --workers 1")
-    for flag, folder in (("--record", args.record), ("--trace", args.trace)):
-        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-            errors.append(f"{flag} '{folder}' is a file, not a folder")
+    for flag, folder in (("--log-dir", args.log_dir), ("--record", args.record), ("--trace", args.trace)):
+        if folder is not None:
+            errors += validate_dir(folder, flag)
+    if args.json is not None:
+        errors += validate_file(args.json, "--json")
     gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
     errors += gpu_errors
     if not gpu_errors:
@@ -371,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     procs = []
     interrupted = False
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C stops the games (below)
     try:
         if args.workers == 1:
             play_games(args, state_dict, list(range(n)), worker_device([args.gpu_id], 0), Results)

@@ -152,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     resume_ckpt, resume_sd, resume_path = None, None, None
     if args.load:
         resume_path = find_resume_file(args)
+        folders = [p for p in (checkpoint_path(args.load_model_dir, args.env), model_path(args.load_model_dir, args.env))
+                   if p.is_dir()]
+        if resume_path is None and folders:
+            fail([f"--load: {folders[0]} is a folder, not a model file: move it away, or pass --load-model-dir DIR "
+                  f"with the run's files"])
         if resume_path is None:
             a3g_dir = Path("runs") / safe_name(args.env)  # A3G mode's default folder
             hint = (" (a shipped model is in trained_models/: --load-model-dir trained_models/)"
@@ -172,10 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         except ModelFileError as e:
             fail([str(e)])
         resume_ckpt = obj if is_checkpoint(obj) else None
+        done = int(resume_ckpt.get("global_steps", 0)) if resume_ckpt is not None else 0
+        if args.max_steps and done >= args.max_steps:
+            limit = (f"the end of --lr-anneal-steps {args.lr_anneal_steps:,}" if args.max_steps == args.lr_anneal_steps
+                     else f"--max-steps {args.max_steps:,}")
+            fail([f"--load: {resume_path} is at {done:,} global steps, already at {limit}: pass a larger "
+                  f"{'--lr-anneal-steps' if 'anneal' in limit else '--max-steps (0: no limit)'} to train on"])
     same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
     if not (args.load and same_dir):
         existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                     if p.exists()]
+        if existing and existing[0].is_dir():
+            fail([f"{existing[0]} is a folder where this run would write its model file: move it away, or pass "
+                  f"--save-model-dir DIR with another folder"])
         if existing:
             fail([f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass --load "
                   f"(it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
@@ -374,7 +388,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
         elapsed = time.time() - start
-        ckpt_note = "nothing written (no process was started)"
+        ckpt_note = "no checkpoint written (no process was started; the run's log is in --log-dir)"
         try:
             if procs:
                 ckpt = mode.save(elapsed_offset + elapsed, final=True)

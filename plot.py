@@ -18,8 +18,11 @@ level counts as slower than every run that did; no median where that puts it amo
 from __future__ import annotations
 
 import csv
+import math
 import sys
 from pathlib import Path
+
+from cli import validate_file
 
 PROG = "plot.py"
 
@@ -224,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"label per monitor CSV")
     if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
+    elif args.out is not None and args.figure:
+        errors += validate_file(args.out, "--out")
+    errors += [f"--levels must be finite numbers, got {level}" for level in args.levels if not math.isfinite(level)]
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
     if args.max_steps is not None and args.max_steps < 1:
@@ -299,4 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        sys.exit(130)

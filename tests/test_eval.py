@@ -1,7 +1,10 @@
 """gym_eval.py and plot.py as subprocesses, on model files written here in the upstream format."""
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 
@@ -198,6 +201,51 @@ def test_bad_inputs(tmp_path, model_dir):
     assert (tmp_path / "afile").read_text() == "x"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
+    (["--json", "/proc/eval.json"], "--json '/proc/eval.json': its folder '/proc' cannot be written: pick a folder "
+                                    "you can write to"),
+    (["--log-dir", "/proc/a3g-logs"], "--log-dir '/proc/a3g-logs' cannot be written ('/proc', where it would be "
+                                      "created): pick a folder you can write to"),
+    (["--record", "{tmp}/afile/videos"], "--record '{tmp}/afile/videos': '{tmp}/afile' is a file, not a folder"),
+    (["--model-file", "{tmp}/a_folder"], "model file {tmp}/a_folder is a folder, not a model file")])
+def test_outputs_and_model_paths_are_checked_before_any_game(tmp_path, model_dir, flags, message):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "a_folder").mkdir()
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--hidden-size", "32", *flags)
+    assert line == f"gym_eval.py: error: {message.format(tmp=tmp_path)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "afile", "models"]  # no game, no log
+
+
+def interrupted_while_importing(tmp_path, module: str, script: str, *args: str) -> tuple[int, str]:
+    """Run ``script`` with a stand-in for ``module`` that prints ``importing`` and waits; send SIGINT once it
+    printed that; ``(exit code, stderr)``."""
+    fake = tmp_path / "fake" / module
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import time\nprint('importing', flush=True)\ntime.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "importing":
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def test_gym_eval_ctrl_c_before_the_first_game_exits_130_in_one_line(tmp_path, model_dir):
+    """SIGINT while gym_eval.py sets up (its progress-bar library waits): one line, exit 130, no traceback."""
+    assert interrupted_while_importing(tmp_path, "tqdm", "gym_eval.py", *SHORT, "--load-model-dir", str(model_dir),
+                                       "--log-dir", str(tmp_path / "logs"), "--num-episodes", "1") == (
+        130, "gym_eval.py: interrupted\n")
+
+
 def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch, capsys):
     import plot
     rows = ["wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean"]
@@ -236,6 +284,27 @@ def test_plot_names_the_line_of_a_broken_row(tmp_path, bad, line):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"plot.py: error: {tmp_path / 'a_monitor.csv'} line {line} is not a monitor CSV row "
                                 f"(global_steps, score and elapsed_s as numbers, one value per column)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out", "{tmp}"], "--out must end in .png, .svg or .pdf, got '{tmp}'"),
+    (["--out", "{tmp}/a.png"], "--out '{tmp}/a.png' is a folder: give a file name"),
+    (["--out", "/proc/curves.png"], "--out '/proc/curves.png': its folder '/proc' cannot be written: pick a folder "
+                                    "you can write to"),
+    (["--levels", "0", "nan"], "--levels must be finite numbers, got nan")])
+def test_plot_checks_its_outputs_and_levels_before_reading(tmp_path, flags, message):
+    (tmp_path / "a.png").mkdir()
+    (tmp_path / "a_monitor.csv").write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n")
+    r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), *[f.format(tmp=tmp_path) for f in flags], cwd=tmp_path)
+    assert r.returncode == 2 and not r.stdout
+    assert r.stderr == f"plot.py: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_plot_ctrl_c_while_drawing_exits_130_in_one_line(tmp_path):
+    """SIGINT while plot.py imports its drawing library (a stand-in that waits): one line, exit 130."""
+    (tmp_path / "a_monitor.csv").write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n")
+    assert interrupted_while_importing(tmp_path, "matplotlib", "plot.py", str(tmp_path / "a_monitor.csv"), "--out",
+                                       str(tmp_path / "a.png")) == (130, "plot.py: interrupted\n")
 
 
 def test_a_row_cut_short_is_left_out_and_the_resumed_monitor_starts_a_new_line(tmp_path):

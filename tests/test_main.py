@@ -202,6 +202,7 @@ def test_corrupt_model_file_is_not_overwritten(tmp_path, models):
     dat.write_bytes(b"\x00garbage" * 10)
     (line,) = bad(tmp_path, "--load")
     assert "is corrupt or not a PyTorch weights file" in line
+    assert line.endswith("): replace it with a good copy, or point to another file")
     assert dat.read_bytes() == b"\x00garbage" * 10
 
 
@@ -217,6 +218,50 @@ def test_model_file_for_another_game(tmp_path, models):
     torch.save(A3Clstm(1, 4).state_dict(), models / "PongNoFrameskip-v4.dat")  # Breakout has 4 actions
     (line,) = bad(tmp_path, "--load")
     assert "actor_linear.weight has shape (4, 512) in the file, the model needs (6, 512)" in line
+
+
+@pytest.mark.parametrize("flag", ["--save-model-dir", "--log-dir"])
+def test_an_output_folder_that_cannot_be_made_or_written(tmp_path, flag):
+    """A folder below a file, or in a folder nobody can write (/proc): one line, and nothing made."""
+    (tmp_path / "a_file").write_text("not a folder")
+    (line,) = bad(tmp_path, flag, str(tmp_path / "a_file" / "sub"))
+    assert line == f"main.py: error: {flag} '{tmp_path / 'a_file' / 'sub'}': '{tmp_path / 'a_file'}' is a file, not a folder"
+    (line,) = bad(tmp_path, flag, "/proc/a3g-runs")
+    assert line == (f"main.py: error: {flag} '/proc/a3g-runs' cannot be written ('/proc', where it would be "
+                    f"created): pick a folder you can write to")
+    assert not (tmp_path / "models").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--target-score", "nan"), ("--gamma", "nan")])
+def test_a_number_that_is_not_finite(tmp_path, flag, value):
+    (line,) = bad(tmp_path, flag, value)
+    assert line == f"main.py: error: {flag} must be a finite number, got {value}"
+
+
+def test_a_folder_where_the_model_file_would_be(tmp_path, models):
+    (models / "PongNoFrameskip-v4.dat").mkdir()
+    (line,) = bad(tmp_path)
+    assert line.startswith(f"main.py: error: {models / 'PongNoFrameskip-v4.dat'} is a folder where this run would "
+                           f"write its model file")
+    (line,) = bad(tmp_path, "--load")
+    assert line.startswith(f"main.py: error: --load: {models / 'PongNoFrameskip-v4.dat'} is a folder, not a model file")
+
+
+@pytest.mark.parametrize("extra, limit", [(["--max-steps", "400"], "--max-steps 400: pass a larger --max-steps (0: no limit)"),
+                                          (["--lr-anneal-steps", "500"], "the end of --lr-anneal-steps 500: pass a "
+                                                                         "larger --lr-anneal-steps")])
+def test_a_resume_already_at_its_step_limit_is_refused(tmp_path, models, extra, limit):
+    """A checkpoint at or past the run's last step: one line and nothing written, not a run that stops at once
+    and rewrites the checkpoint."""
+    from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION
+    from model import A3Clstm
+    ckpt = models / "PongNoFrameskip-v4.ckpt"
+    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "env": "PongNoFrameskip-v4",
+                "model": A3Clstm(1, 6, 512).state_dict(), "optimizer": None, "global_steps": 500}, ckpt)
+    before = ckpt.read_bytes()
+    (line,) = bad(tmp_path, "--load", *extra)
+    assert line == f"main.py: error: --load: {ckpt} is at 500 global steps, already at {limit} to train on"
+    assert ckpt.read_bytes() == before and sorted(p.name for p in models.iterdir()) == [ckpt.name]
 
 
 def test_load_with_nothing_to_load(tmp_path):
