@@ -27,31 +27,45 @@ Runs vary by 15-25% on shared machines: compare the ratios within one run.
 
 The training processes write their logs, CSV and model (the monitor's ``<env>.dat``) to ``--out-dir``; by default
 that is a temporary folder, deleted at the end, so a benchmark leaves nothing behind.
+
+Exit codes: 0 done; 2 bad input (one line on stderr, found before anything is measured or written); 130 Ctrl-C
+(one line; the measuring processes are stopped).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
 import os
-import platform
-import shutil
-import statistics
-import subprocess
+import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import lifeline  # noqa: E402
+
+if __name__ == "__main__":  # before the seconds of heavy imports: a Ctrl-C there is one line and exit 130
+    lifeline.quit_on_interrupt("benchmark.py")
+if __name__ == "__mp_main__":  # a spawned child of this script: dies with it, leaves Ctrl-C to it (lifeline.py)
+    lifeline.bind_to_parent()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from config import build_parser  # noqa: E402
-from environment import atari_env, load_env_config  # noqa: E402
+from cli import Parser, validate_dir, validate_file  # noqa: E402
+from config import build_parser, validate_gpu_ids  # noqa: E402
+from environment import EnvIdError, atari_env, load_env_config, resolve_env_id  # noqa: E402
 import precision  # noqa: E402
 from losses import a3c_loss  # noqa: E402
 from model import A3Clstm  # noqa: E402
@@ -83,11 +97,19 @@ def env_steps_per_s(env_id: str, config: str, processes: int, seconds: float) ->
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_env_worker, args=(env_id, config, seconds, i, out)) for i in range(processes)]
-    for p in procs:
-        p.start()
-    rates = [out.get(timeout=seconds + 120) for _ in procs]
-    for p in procs:
-        p.join()
+    try:
+        for p in procs:
+            lifeline.start_child(p)
+        rates = [out.get(timeout=seconds + 120) for _ in procs]
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join()
     return float(sum(rates))
 
 
@@ -340,9 +362,9 @@ def plain_training_steps_per_s(env_id: str, config: str, processes: int, warmup:
     counter, stop = ctx.Value("q", 0), ctx.Event()
     procs = [ctx.Process(target=_plain_worker, args=(env_id, config, shared, optimizer, i, counter, stop),
                          daemon=True) for i in range(processes)]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            lifeline.start_child(p)
         _wait_for_first_steps(lambda: counter.value, procs)
         time.sleep(warmup)
         s0, t0 = counter.value, time.perf_counter()
@@ -353,9 +375,12 @@ def plain_training_steps_per_s(env_id: str, config: str, processes: int, warmup:
     finally:
         stop.set()
         for p in procs:
+            if p.pid is None:  # not started
+                continue
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
     return steps / seconds
 
 
@@ -447,11 +472,16 @@ def measure_isolated(name: str, rollouts: int, *, keep_freed: bool, **kwargs):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_measure_child, args=(name, rollouts, keep_freed, out, kwargs))
-    proc.start()
     try:
+        lifeline.start_child(proc)
         return out.get(timeout=1800)
+    except BaseException:  # an error or Ctrl-C: the measurement is not waited for
+        if proc.is_alive():
+            proc.kill()
+        raise
     finally:
-        proc.join()
+        if proc.pid is not None:
+            proc.join()
 
 
 def machine() -> dict:
@@ -475,7 +505,7 @@ def machine() -> dict:
 
 
 def benchmark_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--env", default="PongNoFrameskip-v4")
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--gpu-ids", type=int, nargs="+", default=[-1])
@@ -503,15 +533,90 @@ def benchmark_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    opts = benchmark_parser().parse_args(argv)
-    if opts.json and not Path(opts.json).resolve().parent.is_dir():
-        print(f"benchmark.py: error: --json {opts.json}: its folder does not exist", file=sys.stderr)
-        return 2
+def env_id_problem(env_id: str) -> str | None:
+    """``--env``'s problem (an id ale-py cannot make; the message names close ids), or None."""
+    try:
+        resolve_env_id(env_id)
+    except EnvIdError as e:
+        return f"--env: {e}"
+    return None
+
+
+class FlagsError(ValueError):
+    """``--ga3c-flags`` that main.py's parser refuses; the message is its error."""
+
+
+def _size_problems(opts: argparse.Namespace) -> list[str]:
+    """The counts and durations that the measurement needs in range (a zero window measured nothing, no worker
+    never starts stepping)."""
+    problems = []
+    for name in ("warmup", "window", "env_seconds"):
+        if not math.isfinite(getattr(opts, name)):
+            problems.append(f"--{name.replace('_', '-')} must be a finite number of seconds, got {getattr(opts, name)}")
+    checks = [("workers", opts.workers >= 1, ">= 1"), ("warmup", opts.warmup >= 0, ">= 0 seconds"),
+              ("window", opts.window > 0, "> 0 seconds"), ("env_seconds", opts.env_seconds > 0, "> 0 seconds"),
+              ("rollouts", opts.rollouts >= 1, ">= 1"), ("repeats", opts.repeats >= 1, ">= 1")]
+    problems += [f"--{name.replace('_', '-')} must be {bound}, got {getattr(opts, name)}"
+                 for name, ok, bound in checks if not ok and math.isfinite(getattr(opts, name))]
+    return problems
+
+
+def check_options(opts: argparse.Namespace) -> list[str]:
+    """Every problem with the benchmark's flags, each as one phrase (empty when all is well): found before
+    anything is measured or written, so that a typo never waits for minutes of measurement."""
+    problems = _size_problems(opts)
+    problem = env_id_problem(opts.env)
+    if problem:
+        problems.append(problem)
+    problems += validate_gpu_ids(opts.gpu_ids)
+    if opts.json is not None:
+        problems += validate_file(opts.json, "--json")
     if opts.out_dir is not None:
-        return run(opts, Path(opts.out_dir))
-    with tempfile.TemporaryDirectory(prefix="a3g-benchmark-") as tmp:
-        return run(opts, Path(tmp))
+        problems += validate_dir(opts.out_dir, "--out-dir")
+    if problems:
+        return problems
+    out_dir = Path(opts.out_dir) if opts.out_dir is not None else Path(tempfile.gettempdir()) / "a3g-benchmark"
+    from config import validate, validate_precision
+    problems += validate_precision(a3g_args(opts, out_dir))
+    if problems or not opts.ga3c:
+        return problems
+    try:
+        gargs = ga3c_args(opts, out_dir / "ga3c")
+    except FlagsError as e:
+        return [f"--ga3c-flags: {e}"]
+    if gargs.mode != "ga3c":
+        return [f"--ga3c-flags: --mode {gargs.mode}: the GA3C measurement runs GA3C mode; leave --mode out"]
+    gargs.env_config = str(ROOT / "config.json")
+    ga3c_problems = [e for e in validate(gargs) if "save-model-dir" not in e]
+    return [f"--ga3c-flags: {'; '.join(ga3c_problems)}"] if ga3c_problems else []
+
+
+def end_children() -> None:
+    """Kill the processes this one started and has not stopped yet (after a Ctrl-C: the training processes are
+    stopped by their own ``finally``, a measurement in a fresh process is not waited for)."""
+    children = mp.active_children()
+    for p in children:
+        p.kill()
+    for p in children:
+        p.join(10)
+
+
+def main(argv=None) -> int:
+    try:
+        opts = benchmark_parser().parse_args(argv)
+        problems = check_options(opts)
+        if problems:
+            print("benchmark.py: error: " + "; ".join(problems), file=sys.stderr)
+            return 2
+        if opts.out_dir is not None:
+            return run(opts, Path(opts.out_dir))
+        with tempfile.TemporaryDirectory(prefix="a3g-benchmark-") as tmp:
+            return run(opts, Path(tmp))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is bounded; let it finish
+        end_children()
+        print("benchmark.py: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def precision_flag(name: str | None) -> list[str]:
@@ -530,12 +635,22 @@ def a3g_args(opts: argparse.Namespace, out_dir: Path) -> argparse.Namespace:
 
 def ga3c_args(opts: argparse.Namespace, out_dir: Path) -> argparse.Namespace:
     """main.py's arguments for the GA3C-mode measurement: its defaults (``--precision auto`` among them), then
-    ``--precision`` when given, then ``--ga3c-flags``, whose own ``--precision`` wins."""
+    ``--precision`` when given, then ``--ga3c-flags``, whose own ``--precision`` wins. Raises ``FlagsError`` with
+    main.py's parser's message when it refuses ``--ga3c-flags``."""
     import shlex
-    return build_parser().parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
-                                      *precision_flag(opts.precision), "--gpu-ids", *map(str, opts.gpu_ids),
-                                      "--log-dir", str(out_dir), "--save-model-dir", str(out_dir),
-                                      *shlex.split(opts.ga3c_flags)])
+    try:
+        flags = shlex.split(opts.ga3c_flags)
+    except ValueError as e:  # an unclosed quote
+        raise FlagsError(f"{e}: {opts.ga3c_flags!r}") from None
+    parser = build_parser()
+
+    def refuse(message):
+        raise FlagsError(message)
+
+    parser.error = refuse  # main.py's "main.py: error: ..." and exit, as this benchmark's error instead
+    return parser.parse_args(["--env", opts.env, "--mode", "ga3c", "--max-steps", "0",
+                              *precision_flag(opts.precision), "--gpu-ids", *map(str, opts.gpu_ids),
+                              "--log-dir", str(out_dir), "--save-model-dir", str(out_dir), *flags])
 
 
 def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) -> None:
@@ -567,6 +682,7 @@ def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) ->
 def run(opts: argparse.Namespace, out_dir: Path) -> int:
     """The whole benchmark (see the module docstring); the training processes write into ``out_dir``."""
     torch.set_num_threads(1)
+    lifeline.mark_children()  # every child started from here on dies with this process and leaves Ctrl-C to it
     args = a3g_args(opts, out_dir)
     args.env_config = str(ROOT / "config.json")
     from config import precision_warnings, validate_precision
@@ -650,10 +766,19 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
               f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
               f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
     if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.json).write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {opts.json}")
     return 0
 
 
+def _interrupt(signum, frame):
+    """Ctrl-C once the imports are done: unwind (the ``finally`` blocks stop the children); a second one is
+    ignored so that the clean-up finishes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupt)
     sys.exit(main())

@@ -29,24 +29,34 @@ again (``ga3c.trainer``), the first block forward and backward in pieces.
 The GA3C pieces above are those of ``--replay-activations`` (the predictor saves activations, the update at lag 0
 replays them). A GA3C run's default saves none and runs the encoder again for every frame: its update is the
 ``--lagged`` one, and its acting forward saves nothing (a little cheaper than the one timed here).
+
+Exit codes: 0 done; 2 bad input (one line on stderr, found before anything is measured or written); 130 Ctrl-C.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
+import signal
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import lifeline  # noqa: E402
+
+if __name__ == "__main__":  # before the seconds of heavy imports: a Ctrl-C there is one line and exit 130
+    lifeline.quit_on_interrupt("budget.py")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
 import torch  # noqa: E402
 
 import model as model_module  # noqa: E402
-from benchmark import machine, matmul_gflops, model_flops_per_step, our_step_ms  # noqa: E402
+from benchmark import env_id_problem, machine, matmul_gflops, model_flops_per_step, our_step_ms  # noqa: E402
+from cli import Parser, validate_file  # noqa: E402
 from config import build_parser  # noqa: E402
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows  # noqa: E402
 from ga3c.settings import Ga3cSettings  # noqa: E402
@@ -252,7 +262,7 @@ def report(res: dict) -> None:
 
 
 def budget_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="budget.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--env", default="PongNoFrameskip-v4")
     p.add_argument("--envs", type=int, default=16, help="GA3C predictor batch: the envs acting at once")
     p.add_argument("--train-batch", type=int, default=4, help="segments per GA3C update")
@@ -269,26 +279,48 @@ def budget_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_options(opts: argparse.Namespace) -> list[str]:
+    """Every problem with the flags, each as one phrase (empty when all is well), before anything is measured."""
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}"
+                for name in ("envs", "train_batch", "num_steps", "repeats", "rollouts", "env_steps")
+                if getattr(opts, name) < 1]
+    if not problems and opts.train_batch > opts.envs:
+        problems.append("--train-batch must be <= --envs (each segment is one env's)")
+    problem = env_id_problem(opts.env)
+    if problem:
+        problems.append(problem)
+    if opts.json is not None:
+        problems += validate_file(opts.json, "--json")
+    return problems
+
+
 def main(argv=None) -> int:
-    opts = budget_parser().parse_args(argv)
-    for name in ("envs", "train_batch", "num_steps", "repeats", "rollouts", "env_steps"):
-        if getattr(opts, name) < 1:
-            print(f"budget.py: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+    try:
+        opts = budget_parser().parse_args(argv)
+        problems = check_options(opts)
+        if problems:
+            print("budget.py: error: " + "; ".join(problems), file=sys.stderr)
             return 2
-    if opts.train_batch > opts.envs:
-        print("budget.py: error: --train-batch must be <= --envs (each segment is one env's)", file=sys.stderr)
-        return 2
-    if opts.json and not Path(opts.json).resolve().parent.is_dir():
-        print(f"budget.py: error: --json {opts.json}: its folder does not exist", file=sys.stderr)
-        return 2
-    resolved = [precision_module.resolve(p, [torch.device("cpu")])[0] for p in opts.precisions]
-    opts.precisions = list(dict.fromkeys(resolved))  # auto named once, in its place
-    res = measure(opts)
-    report(res)
-    if opts.json:
-        Path(opts.json).write_text(json.dumps(res, indent=1))
-    return 0
+        resolved = [precision_module.resolve(p, [torch.device("cpu")])[0] for p in opts.precisions]
+        opts.precisions = list(dict.fromkeys(resolved))  # auto named once, in its place
+        res = measure(opts)
+        report(res)
+        if opts.json:
+            Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(opts.json).write_text(json.dumps(res, indent=1))
+        return 0
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("budget.py: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _interrupt(signum, frame):
+    """Ctrl-C once the imports are done: unwind; a second one is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupt)
     sys.exit(main())

@@ -164,19 +164,10 @@ def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
     assert proc.stdout.count("with the first conv block in one piece") == 4  # 2 lines in each precision
 
 
-@pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"],
-                                   ["--json", "no/such/folder/budget.json"]])
+@pytest.mark.parametrize("flags", [["--envs", "0"], ["--envs", "2", "--train-batch", "3"]])
 def test_the_step_budget_rejects_bad_sizes_in_one_line(tmp_path, flags):
     proc = run_entry("benchmarks/budget.py", *flags, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "budget.py: error: --" in proc.stderr
-
-
-def test_the_benchmark_refuses_a_json_path_it_could_not_write_before_measuring(tmp_path):
-    start = time.time()
-    proc = run_entry("benchmarks/benchmark.py", "--json", "no/such/folder/bench.json", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and proc.stderr == ("benchmark.py: error: --json no/such/folder/bench.json: its "
-                                                    "folder does not exist\n")
-    assert time.time() - start < 50 and not proc.stdout
 
 
 @pytest.mark.parametrize("flags, a3g, ga3c", [
@@ -193,3 +184,103 @@ def test_each_mode_is_measured_at_main_py_s_default_precision_unless_told(tmp_pa
     assert (a.mode, a.precision, a.lr) == ("a3g", a3g, 0.0001)
     assert (g.mode, g.precision, g.lr) == ("ga3c", ga3c, 0.0002)
     assert g.agents == (3 if "--agents 3" in " ".join(flags) else bench.build_parser().get_default("agents"))
+
+
+BAD_INPUT = [  # (script, flags, what the one error line says); {tmp} is the test's folder, {file} a file in it
+    ("benchmark.py", ["--env", "PongNoFrameskip-v5"],
+     "--env: unknown environment id 'PongNoFrameskip-v5'; did you mean PongNoFrameskip-v4"),
+    ("budget.py", ["--env", "PongNoFrameskip-v5"],
+     "--env: unknown environment id 'PongNoFrameskip-v5'; did you mean PongNoFrameskip-v4"),
+    ("benchmark.py", ["--workers", "0"], "--workers must be >= 1, got 0"),
+    ("benchmark.py", ["--window", "0"], "--window must be > 0 seconds, got 0.0"),
+    ("benchmark.py", ["--warmup", "-1", "--window", "-1"], "--warmup must be >= 0 seconds, got -1.0; --window must"),
+    ("benchmark.py", ["--window", "inf"], "--window must be a finite number of seconds, got inf"),
+    ("benchmark.py", ["--env-seconds", "0"], "--env-seconds must be > 0 seconds"),
+    ("benchmark.py", ["--rollouts", "0"], "--rollouts must be >= 1"),
+    ("benchmark.py", ["--repeats", "0"], "--repeats must be >= 1"),
+    ("benchmark.py", ["--workers", "two"], "argument --workers: invalid int value: 'two'"),
+    ("benchmark.py", ["--gpu-ids", "99"], "--gpu-ids"),  # no CUDA here, or no GPU 99
+    ("benchmark.py", ["--ga3c-flags=--bogus"], "--ga3c-flags: unrecognized arguments: --bogus"),
+    ("benchmark.py", ["--ga3c-flags", "--agents 0"], "--ga3c-flags: --agents must be >= 1, got 0"),
+    ("benchmark.py", ["--ga3c-flags", "--agents '2"], "--ga3c-flags: No closing quotation"),
+    ("benchmark.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
+    ("budget.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
+    ("benchmark.py", ["--json", "/proc/x.json"], "--json '/proc/x.json': its folder '/proc' cannot be written"),
+    ("budget.py", ["--json", "/proc/x.json"], "--json '/proc/x.json': its folder '/proc' cannot be written"),
+    ("benchmark.py", ["--json", "{file}/x.json"], "--json '{file}/x.json': its folder '{file}' is a file"),
+    ("benchmark.py", ["--out-dir", "{file}"], "--out-dir '{file}' is a file, not a folder"),
+    ("benchmark.py", ["--out-dir", "{file}/run"], "--out-dir '{file}/run': '{file}' is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", BAD_INPUT,
+                         ids=[f"{s[:-3]} {' '.join(f)}" for s, f, _ in BAD_INPUT])
+def test_bad_input_is_one_error_line_and_exit_2_before_anything_is_measured_or_written(tmp_path, script, flags,
+                                                                                      message):
+    """An env id ale-py cannot make, a size or time out of range, a GPU this machine lacks, GA3C flags main.py
+    refuses, a --json or --out-dir that cannot be written: each is refused at once, in one line, where it used to
+    hang, give a traceback, or run the whole measurement first."""
+    (tmp_path / "a-file").write_text("kept")
+    fill = {"tmp": str(tmp_path), "file": str(tmp_path / "a-file")}
+    before = sorted(tmp_path.rglob("*"))
+    start = time.time()
+    proc = run_entry(f"benchmarks/{script}", *[f.format(**fill) for f in flags], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"{script}: error: {message.format(**fill)}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not proc.stdout and time.time() - start < 50  # nothing measured
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "a-file").read_text() == "kept"  # nothing written
+
+
+def _session_processes(sid: int) -> list:
+    """The live processes of session ``sid`` (zombies, already ended, are left out)."""
+    import psutil
+    out = []
+    for q in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(q.pid) == sid and q.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(q)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("script, flags, after_line, delay", [
+    ("benchmark.py", [], None, 1.5),  # importing torch
+    ("benchmark.py", ["--workers", "1"], "machine:", 1.5),  # a step-cost measurement in a fresh process
+    ("benchmark.py", ["--workers", "1", "--modes-only"], "machine:", 2.0),  # the training processes
+    ("budget.py", [], None, 1.5),  # importing torch
+    ("budget.py", [], None, 6.0),  # timing the pieces
+], ids=["benchmark start-up", "benchmark step costs", "benchmark training", "budget start-up", "budget measuring"])
+def test_ctrl_c_exits_130_in_one_line_and_leaves_no_process(tmp_path, script, flags, after_line, delay):
+    """SIGINT to the process group (a terminal's Ctrl-C), during the imports or a measurement: exit 130 with one
+    line, no traceback (the children's neither), and no process of the run left."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), *flags], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        if after_line is not None:
+            while after_line not in (line := proc.stdout.readline()) and line:
+                pass
+            assert line, "the benchmark ended before it measured"
+        time.sleep(delay)
+        if after_line is not None:  # the resource tracker and the measuring processes
+            assert len(_session_processes(proc.pid)) >= 3, "nothing running to interrupt"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=40)
+        assert proc.returncode == 130, err[-2000:]
+        assert err == f"{script}: interrupted\n"
+        deadline = time.time() + 10
+        while _session_processes(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _session_processes(proc.pid), "a child process was left running"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
