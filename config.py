@@ -273,11 +273,10 @@ def validate(args: argparse.Namespace) -> list[str]:
         args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
         args.load_model_dir = args.save_model_dir
-    not_finite = [f"--{name.replace('_', '-')} " for name, value in vars(args).items()
-                  if isinstance(value, float) and not math.isfinite(value)]
-    # nan compares false with every bound below, and inf passes some: one line for each, this one
-    errors += [f"{flag}must be a finite number, got {getattr(args, flag[2:-1].replace('-', '_'))}"
-               for flag in not_finite]
+    # nan compares false with every bound below and inf passes some: one line for each, this one, not theirs
+    not_finite = [name for name, value in vars(args).items() if isinstance(value, float) and not math.isfinite(value)]
+    errors += [f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}" for name in not_finite]
+    skip = tuple(f"--{name.replace('_', '-')} " for name in not_finite)
     checks = [
         (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
         (0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma}"),
@@ -300,7 +299,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.checkpoint_every_seconds > 0,
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]
-    errors += [msg for ok, msg in checks if not ok and not msg.startswith(tuple(not_finite) or ("\0",))]
+    errors += [msg for ok, msg in checks if not ok and not (skip and msg.startswith(skip))]
     if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
         args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
