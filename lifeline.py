@@ -71,6 +71,16 @@ def quit_on_interrupt(prog: str) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def unwind_on_interrupt() -> None:
+    """From here on a Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` once, so that ``finally`` blocks stop what was
+    started; later ones are ignored, so that the clean-up finishes."""
+    def handler(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
 class blocked_stop_signals:
     """``with blocked_stop_signals():`` SIGINT and SIGTERM stay pending in this process and in every child
     started inside the block, until the block ends here and ``bind_to_parent`` runs there."""

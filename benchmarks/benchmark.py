@@ -772,13 +772,6 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
     return 0
 
 
-def _interrupt(signum, frame):
-    """Ctrl-C once the imports are done: unwind (the ``finally`` blocks stop the children); a second one is
-    ignored so that the clean-up finishes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupt)
+    lifeline.unwind_on_interrupt()  # the imports are done: the ``finally`` blocks stop the children
     sys.exit(main())

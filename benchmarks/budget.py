@@ -315,12 +315,6 @@ def main(argv=None) -> int:
         return 130
 
 
-def _interrupt(signum, frame):
-    """Ctrl-C once the imports are done: unwind; a second one is ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupt)
+    lifeline.unwind_on_interrupt()
     sys.exit(main())
