@@ -45,7 +45,7 @@ from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
 import precision
 from precision import PRECISIONS
-from utils import format_duration, keep_freed_memory, safe_name, setup_logger, worker_device
+from utils import format_duration, keep_freed_memory, safe_name, setup_logger, use_device, worker_device
 
 PROG = "gym_eval.py"
 
@@ -188,6 +188,7 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
     ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward."""
     from player_util import play_game
 
+    use_device(device)
     conf = load_env_config(args.env_config, args.env)
     model = None
     for i in games:

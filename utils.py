@@ -121,7 +121,14 @@ def worker_device(gpu_ids: list[int], rank: int) -> torch.device:
 
 
 def use_device(device: torch.device) -> None:
-    """Make ``device`` current for this process, so no CUDA context appears on other GPUs."""
+    """Make ``device`` current for this process, so no CUDA context appears on other GPUs, and make float32 work
+    on CUDA run in float32: cuDNN's convolutions and LSTMs use TF32 by default on Ampere and newer GPUs (10-bit
+    mantissa; a GA3C trainer's conv1 gradient was 4% off the CPU's on an H200, 5e-6 without it), so this turns
+    TF32 off for cuDNN and for matrix products. ``--precision bf16`` runs the conv encoder in bf16 explicitly
+    (``model.A3Clstm.set_precision``), so the flags only keep the parts meant to be float32 in float32. Every
+    process that computes on a GPU calls this first (workers, the GA3C server, the monitor, gym_eval.py)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     if device.type == "cuda":
         torch.cuda.set_device(device)
 

@@ -433,3 +433,18 @@ def test_the_frameskip_in_words_is_what_ale_does(env_id):
         assert words == "2-4 (random)" and seen == {2, 3, 4}
     else:
         assert words == "4" and seen == {4}
+
+
+def test_the_games_are_played_after_use_device(monkeypatch):
+    """gym_eval.py's games (in-process and in each worker) start with ``utils.use_device`` on their device, as the
+    training processes do: on a GPU that keeps its float32 evaluation in float32 (no TF32)."""
+    import argparse
+    import queue
+
+    import gym_eval
+
+    calls = []
+    monkeypatch.setattr(gym_eval, "use_device", calls.append)
+    gym_eval.play_games(argparse.Namespace(env_config=str(ROOT / "config.json"), env="PongNoFrameskip-v4"), {}, [],
+                        torch.device("cpu"), queue.Queue())
+    assert calls == [torch.device("cpu")]

@@ -57,3 +57,19 @@ def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again
     default, kept = _page_faults("default"), _page_faults("keep")
     assert default > 10 * 2000, default  # each cycle maps its large blocks afresh and faults them in
     assert kept < default / 10, (default, kept)
+
+
+def test_use_device_makes_float32_work_on_cuda_run_in_float32():
+    """cuDNN allows TF32 in convolutions and LSTMs by default; every process that computes on a device calls
+    ``use_device`` first, which turns TF32 off (the flags only act on CUDA, so a CPU device sets them too)."""
+    import torch
+
+    from utils import use_device
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        use_device(torch.device("cpu"))
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
