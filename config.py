@@ -165,6 +165,37 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
                         "the workers of one machine) or 1/nodes of it (average) (default: %(default)s)")
 
 
+# GA3C's policy lag grows with (env slots) / --train-batch: each slot holds one open segment, and a frame's segment
+# waits for the others ahead of it to be trained, --train-batch an update. At a ratio of 4 (16 slots, batch 4; 128
+# slots, batch 32; 32 slots, batch 8) the lag measured 2.7-3.5 updates and runs learned; at 48 (192 slots, batch 4)
+# it measured about 30 and Breakout collapsed within 2,000 updates, on a CPU and on a GPU (docs/results.md,
+# "Policy lag"); at 8 (192 slots, batch 24) it measured 4.7.
+LAG_SLOTS_PER_SEGMENT = 4
+MIN_TRAIN_BATCH = 4
+LAG_WARN = 8  # slots per --train-batch segment above which main.py warns
+
+
+def default_train_batch(slots: int) -> int:
+    """``--train-batch``'s default for ``slots`` env slots: ``slots / 4`` rounded up, at least 4."""
+    return max(MIN_TRAIN_BATCH, math.ceil(slots / LAG_SLOTS_PER_SEGMENT))
+
+
+def policy_lag_warnings(args: argparse.Namespace) -> list[str]:
+    """The line to print before a GA3C run whose ``--train-batch`` leaves more than ``LAG_WARN`` env slots per
+    segment of an update (a policy lag of that many updates or more); none in A3G mode."""
+    if args.mode != "ga3c":
+        return []
+    slots = args.agents * args.envs_per_agent
+    if slots <= LAG_WARN * args.train_batch:
+        return []
+    return [f"--train-batch {args.train_batch} for {slots} env slots (--agents {args.agents} x --envs-per-agent "
+            f"{args.envs_per_agent}): "
+            f"{slots / args.train_batch:.0f} slots per segment of an update, and the policy lag grows with that "
+            f"ratio (at 48 it measured about 30 updates and Breakout collapsed within 2,000 updates: "
+            f"docs/results.md, Policy lag); the default for these slots, --train-batch {default_train_batch(slots)}, "
+            f"keeps the ratio at {LAG_SLOTS_PER_SEGMENT} or under"]
+
+
 def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     """GA3C mode (``--mode ga3c``): batched predictors and trainers next to one model, serving many agents.
     Each flag names the GA3C ``Config.py`` key it replaces; the A3C flags above (``--num-steps`` = TIME_MAX,
@@ -187,9 +218,11 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                         "upstream's, the fastest measured on 2 cores)")
     g.add_argument("--predict-batch", type=int, default=128,
                    help="most observations in one forward (GA3C PREDICTION_BATCH_SIZE; default: %(default)s)")
-    g.add_argument("--train-batch", type=int, default=4,
+    g.add_argument("--train-batch", type=int, default=None,
                    help="segments of --num-steps transitions per update (GA3C TRAINING_MIN_BATCH_SIZE counts "
-                        "transitions; default: %(default)s)")
+                        f"transitions; default: the env slots (--agents x --envs-per-agent) / {LAG_SLOTS_PER_SEGMENT}, "
+                        f"at least {MIN_TRAIN_BATCH}, which keeps the policy lag near 3 updates: 4 on 2 cores, 32 for 8 "
+                        "agents x 16)")
     g.add_argument("--queue-size", type=int, default=8,
                    help="finished segments waiting for a trainer; a full queue holds the agents back, bounding the "
                         "memory of saved activations (about 0.9 MB a frame) and, with the env slots' open segments "
@@ -337,9 +370,11 @@ def precision_warnings(args: argparse.Namespace) -> list[str]:
 
 def validate_ga3c(args: argparse.Namespace) -> list[str]:
     """Problems with the GA3C flags (checked in either mode, so a typo never waits for ``--mode ga3c``); fills in
-    the derived defaults of ``--agents`` and ``--dynamic-max``."""
+    the derived defaults of ``--agents``, ``--train-batch`` and ``--dynamic-max``."""
     if args.agents is None:
         args.agents = os.cpu_count() or 1
+    if args.train_batch is None:
+        args.train_batch = default_train_batch(max(1, args.agents) * max(1, args.envs_per_agent))
     errors = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
               for name in ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch",
                            "queue_size", "sync_every") if getattr(args, name) < 1]

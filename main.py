@@ -46,7 +46,7 @@ from a3g.run import A3gRun, shutdown  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, check_checkpoint,  # noqa: E402
                         check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
                         remove_stale_temp_files, state_dict_of)
-from config import build_parser, precision_warnings, run_folder_name, validate  # noqa: E402
+from config import build_parser, policy_lag_warnings, precision_warnings, run_folder_name, validate  # noqa: E402
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = validate(args)
     if errors:
         fail(errors)
-    for line in precision_warnings(args):
+    for line in precision_warnings(args) + policy_lag_warnings(args):
         print(f"main.py: {line}", file=sys.stderr, flush=True)
     n_actions = num_actions(args.env)
 

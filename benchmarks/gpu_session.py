@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
                    help="both modes' precision (default: auto)")
     p.add_argument("--workers", type=int, default=16, help="A3G workers, in the benchmark and training")
-    p.add_argument("--ga3c-flags", default="--agents 12 --envs-per-agent 16 --predictors 2 --trainers 2",
-                   help="GA3C mode's flags, in the benchmark and training")
+    p.add_argument("--ga3c-flags", default="--agents 8 --envs-per-agent 16 --predictors 2 --trainers 2",
+                   help="GA3C mode's flags, in the benchmark and training (default: %(default)s; main.py then "
+                        "takes --train-batch 32 for the 128 env slots, which keeps the policy lag near 3 updates: "
+                        "docs/results.md, 'Policy lag')")
     p.add_argument("--warmup", type=float, default=20.0, help="benchmark warm-up seconds per mode")
     p.add_argument("--window", type=float, default=60.0, help="benchmark window seconds per mode")
     p.add_argument("--env", default="BreakoutNoFrameskip-v4", help="the game to train (default: %(default)s)")

@@ -89,3 +89,34 @@ def test_ga3c_mode_on_a_cpu_without_the_fences_it_needs_is_refused_in_one_line(t
     assert "GA3C mode needs memory fences here" in validate(build_parser().parse_args(["--mode", "ga3c", *flags]))
     assert "GA3C mode needs memory fences here" in validate(build_parser().parse_args(flags))  # the default
     assert validate(build_parser().parse_args(["--mode", "a3g", *flags])) == []  # A3G mode does not share env slots
+
+
+@pytest.mark.parametrize("agents,envs,want", [(2, 8, 4), (1, 1, 4), (1, 17, 5), (8, 16, 32), (12, 16, 48)])
+def test_the_train_batch_follows_the_env_slots(agents, envs, want):
+    """``--train-batch`` defaults to the env slots / 4 (at least 4): the policy lag grows with slots per segment of
+    an update (about 30 updates at 192 slots and batch 4, where Breakout collapsed; about 3 at a ratio of 4)."""
+    from config import policy_lag_warnings
+
+    a = parse("--agents", str(agents), "--envs-per-agent", str(envs))
+    assert validate(a) == [] and a.train_batch == want
+    assert policy_lag_warnings(a) == []
+
+
+def test_a_train_batch_that_leaves_a_long_policy_lag_is_run_after_one_warning_line(tmp_path):
+    from conftest import run_entry
+    from config import policy_lag_warnings
+
+    a = parse("--agents", "12", "--envs-per-agent", "16", "--train-batch", "4")
+    assert validate(a) == [] and a.train_batch == 4  # given: kept
+    (line,) = policy_lag_warnings(a)
+    assert "192 env slots" in line and "48 slots per segment" in line and "--train-batch 48" in line
+    a = parse("--agents", "2", "--envs-per-agent", "16", "--train-batch", "4")  # a ratio of 8: no line
+    assert validate(a) == [] and policy_lag_warnings(a) == []
+    a = parse("--workers", "2", "--agents", "12", "--envs-per-agent", "16", "--train-batch", "1")  # A3G mode
+    assert validate(a) == [] and policy_lag_warnings(a) == []
+    # main.py prints it before anything starts (here the resume then fails: nothing to load, exit 2)
+    r = run_entry("main.py", "--mode", "ga3c", "--agents", "1", "--envs-per-agent", "9", "--train-batch", "1",
+                  "--load", "--load-model-dir", str(tmp_path / "none"), "--save-model-dir", str(tmp_path / "m"),
+                  "--log-dir", str(tmp_path / "l"), cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 2 and r.stderr.startswith("main.py: --train-batch 1 for 9 env slots"), r.stderr
