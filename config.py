@@ -50,6 +50,9 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
 # Breakout's first 1.5M steps (docs/results.md); A3G mode keeps upstream's, which all of its seeds used.
 MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.0001, "precision": "fp32"}}
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
+GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
+                   "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every")
+_NOT_GIVEN = object()
 
 
 def resolve_mode(args: argparse.Namespace) -> argparse.Namespace:
@@ -72,7 +75,16 @@ class TrainParser(Parser):
     (``resolve_mode``); the flags that depend on the mode parse to None when not given."""
 
     def parse_known_args(self, args=None, namespace=None):
-        ns, rest = super().parse_known_args(args, namespace)
+        ns, rest = super().parse_known_args(args, namespace)  # --help and usage errors exit here
+        # once more with a marker for the defaults of the flags that belong to one mode: which of them were given
+        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS
+        defaults = {d: self.get_default(d) for d in watched}
+        self.set_defaults(**dict.fromkeys(watched, _NOT_GIVEN))
+        try:
+            marked, _ = super().parse_known_args(args, None)
+        finally:
+            self.set_defaults(**defaults)
+        ns._given = tuple(d for d in watched if getattr(marked, d) is not _NOT_GIVEN)
         return resolve_mode(ns), rest
 
 
@@ -169,28 +181,36 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
 # waits for the others ahead of it to be trained, --train-batch an update. At a ratio of 4 (16 slots, batch 4; 128
 # slots, batch 32; 32 slots, batch 8) the lag measured 2.7-3.5 updates and runs learned; at 48 (192 slots, batch 4)
 # it measured about 30 and Breakout collapsed within 2,000 updates, on a CPU and on a GPU (docs/results.md,
-# "Policy lag"); at 8 (192 slots, batch 24) it measured 4.7.
+# "Policy lag"); at 8 (192 slots, batch 24) it measured 3.1-4.8.
 LAG_SLOTS_PER_SEGMENT = 4
 MIN_TRAIN_BATCH = 4
 LAG_WARN = 8  # slots per --train-batch segment above which main.py warns
 
 
 def default_train_batch(slots: int) -> int:
-    """``--train-batch``'s default for ``slots`` env slots: ``slots / 4`` rounded up, at least 4."""
+    """``--train-batch``'s default for ``slots`` env slots (with ``--dynamic``, the most it may reach): ``slots / 4``
+    rounded up, at least 4."""
     return max(MIN_TRAIN_BATCH, math.ceil(slots / LAG_SLOTS_PER_SEGMENT))
+
+
+def most_agents(args: argparse.Namespace) -> int:
+    """The most agent processes a GA3C run may have: ``--agents``, or with ``--dynamic`` its bound."""
+    return max(args.agents, args.dynamic_max[2]) if args.dynamic and args.dynamic_max else args.agents
 
 
 def policy_lag_warnings(args: argparse.Namespace) -> list[str]:
     """The line to print before a GA3C run whose ``--train-batch`` leaves more than ``LAG_WARN`` env slots per
-    segment of an update (a policy lag of that many updates or more); none in A3G mode."""
+    segment of an update (with ``--dynamic``, at its most agents); none in A3G mode."""
     if args.mode != "ga3c":
         return []
-    slots = args.agents * args.envs_per_agent
+    agents = most_agents(args)
+    slots = agents * args.envs_per_agent
     if slots <= LAG_WARN * args.train_batch:
         return []
-    return [f"--train-batch {args.train_batch} for {slots} env slots (--agents {args.agents} x --envs-per-agent "
+    counted = f"--agents {agents}" if agents == args.agents else f"up to {agents} agents with --dynamic"
+    return [f"--train-batch {args.train_batch} for {slots} env slots ({counted} x --envs-per-agent "
             f"{args.envs_per_agent}): "
-            f"{slots / args.train_batch:.0f} slots per segment of an update, and the policy lag grows with that "
+            f"{round(slots / args.train_batch, 1):g} slots per segment of an update, and the policy lag grows with that "
             f"ratio (at 48 it measured about 30 updates and Breakout collapsed within 2,000 updates: "
             f"docs/results.md, Policy lag); the default for these slots, --train-batch {default_train_batch(slots)}, "
             f"keeps the ratio at {LAG_SLOTS_PER_SEGMENT} or under"]
@@ -220,7 +240,8 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="most observations in one forward (GA3C PREDICTION_BATCH_SIZE; default: %(default)s)")
     g.add_argument("--train-batch", type=int, default=None,
                    help="segments of --num-steps transitions per update (GA3C TRAINING_MIN_BATCH_SIZE counts "
-                        f"transitions; default: the env slots (--agents x --envs-per-agent) / {LAG_SLOTS_PER_SEGMENT}, "
+                        f"transitions; default: the env slots (--agents x --envs-per-agent; with --dynamic, at its most "
+                        f"agents) / {LAG_SLOTS_PER_SEGMENT}, "
                         f"at least {MIN_TRAIN_BATCH}, which keeps the policy lag near 3 updates: 4 on 2 cores, 32 for 8 "
                         "agents x 16)")
     g.add_argument("--queue-size", type=int, default=8,
@@ -338,6 +359,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
+    errors += other_mode_flags(args)
     errors += validate_ray(args)
     if args.ray_address is None:  # on Ray, the GPUs are the nodes' (checked against the cluster's)
         errors += validate_gpu_ids(args.gpu_ids)
@@ -346,6 +368,26 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not any("--gpu-ids" in e for e in errors):
         errors += validate_precision(args)
     return errors
+
+
+def other_mode_flags(args: argparse.Namespace) -> list[str]:
+    """One line when the command line gives flags that only the mode it does not run has (the parser records the
+    given ones in ``args._given``): they would be ignored."""
+    given = getattr(args, "_given", ())
+    names = ", ".join
+    if args.mode == "a3g":
+        wrong = [f"--{d.replace('_', '-')}" for d in GA3C_ONLY_DESTS if d in given]
+        if wrong:
+            return [f"{names(wrong)}: only GA3C mode has {'them' if len(wrong) > 1 else 'it'}, and this command runs "
+                    f"A3G mode (--mode a3g, or --workers, --distributed-step-size or --ray-address given); leave "
+                    f"{'them' if len(wrong) > 1 else 'it'} out, or run GA3C mode with --mode ga3c"]
+    else:
+        wrong = [f"--{d.replace('_', '-')}" for d in A3G_ONLY_DESTS if d in given]
+        if wrong:
+            return [f"{names(wrong)}: only A3G mode has {'them' if len(wrong) > 1 else 'it'}, and this command runs "
+                    f"GA3C mode (--mode ga3c); leave {'them' if len(wrong) > 1 else 'it'} out (GA3C mode's "
+                    f"processes are --agents, --predictors and --trainers), or run A3G mode with --mode a3g"]
+    return []
 
 
 def compute_devices(args: argparse.Namespace) -> list[torch.device]:
@@ -373,8 +415,10 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
     the derived defaults of ``--agents``, ``--train-batch`` and ``--dynamic-max``."""
     if args.agents is None:
         args.agents = os.cpu_count() or 1
+    if args.dynamic_max is None:
+        args.dynamic_max = [2 * max(1, args.trainers), 2 * max(1, args.predictors), 2 * max(1, args.agents)]
     if args.train_batch is None:
-        args.train_batch = default_train_batch(max(1, args.agents) * max(1, args.envs_per_agent))
+        args.train_batch = default_train_batch(max(1, most_agents(args)) * max(1, args.envs_per_agent))
     errors = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
               for name in ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch",
                            "queue_size", "sync_every") if getattr(args, name) < 1]
@@ -389,9 +433,7 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
         errors.append("--distributed-step-size is for A3G workers; in GA3C mode every segment has --num-steps steps")
     if args.dynamic_seconds <= 0:
         errors.append(f"--dynamic-seconds must be > 0, got {args.dynamic_seconds:g}")
-    if args.dynamic_max is None:
-        args.dynamic_max = [2 * max(1, args.trainers), 2 * max(1, args.predictors), 2 * max(1, args.agents)]
-    else:
+    if args.dynamic_max is not None:
         for name, bound, start in zip(("trainers", "predictors", "agents"), args.dynamic_max,
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
@@ -434,8 +476,11 @@ def rollout_length(args: argparse.Namespace, rank: int) -> int:
 
 
 def config_dict(args: argparse.Namespace) -> dict:
-    """The resolved configuration as plain values (saved in the log and in every checkpoint)."""
+    """The resolved configuration as plain values (saved in the log and in every checkpoint); not the parser's own
+    records (names that start with ``_``)."""
     out = {}
     for k, v in sorted(vars(args).items()):
+        if k.startswith("_"):
+            continue
         out[k] = list(v) if isinstance(v, (list, tuple)) else v
     return out

@@ -138,6 +138,15 @@ def mode_change_line(saved_config: dict, args: Namespace) -> str:
             + (how.get(was_mode, "") if now_mode == "ga3c" else ""))
 
 
+def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed GA3C checkpoint was trained with another ``--train-batch`` than this GA3C run's
+    (its default follows the env slots); "" otherwise."""
+    was = saved_config.get("train_batch")
+    if args.mode != "ga3c" or saved_config.get("mode") != "ga3c" or was in (None, args.train_batch):
+        return ""
+    return f"the checkpoint was trained with --train-batch {was}; this run goes on with --train-batch {args.train_batch}"
+
+
 def main(argv: list[str] | None = None) -> int:
     stop = globals().get("STOP") or lifeline.StopSignals().install()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -296,9 +305,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                    for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
-        line = mode_change_line(saved_config, args)
-        if line:
-            log.info(line)
+        for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args)):
+            if line:
+                log.info(line)
         was = saved_config.get("compute_precision", "fp32")
         if was != args.compute_precision:
             log.info(f"the checkpoint was trained in {was}; this run goes on in {args.compute_precision} (the files "

@@ -113,10 +113,51 @@ def test_a_train_batch_that_leaves_a_long_policy_lag_is_run_after_one_warning_li
     a = parse("--agents", "2", "--envs-per-agent", "16", "--train-batch", "4")  # a ratio of 8: no line
     assert validate(a) == [] and policy_lag_warnings(a) == []
     a = parse("--workers", "2", "--agents", "12", "--envs-per-agent", "16", "--train-batch", "1")  # A3G mode
-    assert validate(a) == [] and policy_lag_warnings(a) == []
+    assert a.mode == "a3g" and policy_lag_warnings(a) == []  # (and validate refuses the GA3C flags)
     # main.py prints it before anything starts (here the resume then fails: nothing to load, exit 2)
     r = run_entry("main.py", "--mode", "ga3c", "--agents", "1", "--envs-per-agent", "9", "--train-batch", "1",
                   "--load", "--load-model-dir", str(tmp_path / "none"), "--save-model-dir", str(tmp_path / "m"),
                   "--log-dir", str(tmp_path / "l"), cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 2 and r.stderr.startswith("main.py: --train-batch 1 for 9 env slots"), r.stderr
+
+
+@pytest.mark.parametrize("argv,flags", [
+    (["--mode", "a3g", "--agents", "2"], "--agents: only GA3C mode has it"),
+    (["--workers", "2", "--envs-per-agent", "4", "--no-dynamic"], "--envs-per-agent, --dynamic: only GA3C mode has them"),
+    (["-w", "2", "--train-batch", "8"], "--train-batch: only GA3C mode has it"),
+    (["--mode", "ga3c", "--workers", "2"], "--workers: only A3G mode has it"),
+    (["--mode", "ga3c", "-dss", "5", "10"], "--distributed-step-size: only A3G mode has it")])
+def test_a_flag_of_the_mode_the_command_does_not_run_is_refused(argv, flags):
+    """Given, in any spelling, even at its default value: it would be ignored."""
+    errors = validate(parse(*argv))
+    assert [e for e in errors if "only" in e] == [next(e for e in errors if e.startswith(flags))], errors
+
+
+@pytest.mark.parametrize("argv", [[], ["--agents", "3", "--envs-per-agent", "8", "--is-clip", "1"], ["--workers", "2"],
+                                  ["--mode", "a3g", "--num-steps", "10"], ["--mode", "ga3c", "--seed", "2"]])
+def test_the_flags_of_the_mode_that_runs_and_the_shared_flags_pass(argv):
+    assert not any("only" in e for e in validate(parse(*argv)))
+    assert "_given" not in __import__("config").config_dict(parse(*argv))  # the parser's record is not configuration
+
+
+def test_main_refuses_a_flag_of_the_other_mode_in_one_line_before_anything_is_written(tmp_path):
+    from conftest import run_entry
+
+    r = run_entry("main.py", "--mode", "a3g", "--agents", "2", "--save-model-dir", str(tmp_path / "m"),
+                  "--log-dir", str(tmp_path / "l"), cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "main.py: error: --agents: only GA3C mode" in r.stderr
+    assert not (tmp_path / "m").exists() and not (tmp_path / "l").exists()
+
+
+def test_with_dynamic_the_train_batch_and_the_warning_count_the_most_agents_it_may_reach():
+    from config import policy_lag_warnings
+
+    a = parse("--dynamic", "--agents", "2", "--envs-per-agent", "8")  # up to 4 agents: 32 slots
+    assert validate(a) == [] and a.train_batch == 8 and policy_lag_warnings(a) == []
+    a = parse("--dynamic", "--agents", "1", "--envs-per-agent", "16", "--train-batch", "2", "--dynamic-max", "4", "4", "8")
+    assert validate(a) == []
+    (line,) = policy_lag_warnings(a)
+    assert "128 env slots (up to 8 agents with --dynamic" in line and "64 slots per segment" in line
+    a = parse("--agents", "1", "--envs-per-agent", "17", "--train-batch", "2")  # over 8, not rounded down to it
+    assert "8.5 slots per segment" in policy_lag_warnings(a)[0] if not validate(a) else False

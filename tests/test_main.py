@@ -497,3 +497,19 @@ def test_a_resumed_checkpoint_of_another_mode_is_named_with_the_way_back(saved, 
     from config import build_parser
     from main import mode_change_line
     assert mode_change_line(saved, build_parser().parse_args(argv)) == line
+
+
+@pytest.mark.parametrize("saved, argv, line", [
+    ({"mode": "ga3c", "train_batch": 4}, ["--agents", "8", "--envs-per-agent", "16"],
+     "the checkpoint was trained with --train-batch 4; this run goes on with --train-batch 32"),
+    ({"mode": "ga3c", "train_batch": 4}, ["--agents", "2", "--envs-per-agent", "8"], ""),
+    ({"mode": "ga3c"}, ["--agents", "8", "--envs-per-agent", "16"], ""),  # saved before the flag existed
+    ({"mode": "a3g", "train_batch": 4}, ["--agents", "8", "--envs-per-agent", "16"], ""),  # the mode line says it
+    ({"mode": "ga3c", "train_batch": 4}, ["--mode", "a3g"], ""),
+])
+def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv, line):
+    from config import build_parser, validate
+    from main import train_batch_change_line
+    args = build_parser().parse_args(argv)
+    validate(args)
+    assert train_batch_change_line(saved, args) == line
