@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value loss weight; 0.5 is upstream's fixed factor (default: %(default)s)")
     p.add_argument("--gamma", "-g", type=float, default=0.99, help="discount (default: %(default)s)")
     p.add_argument("--tau", "-t", type=float, default=1.00, help="GAE lambda (default: %(default)s)")
+    p.add_argument("--train-envs", nargs="+", default=None, metavar="ID",
+                   help="the learners' env ids, spread over GA3C mode's env slots or A3G mode's workers: slot or "
+                        "worker i plays ID[i %% len] (repeat an id to weight it); each must be --env's game, e.g. "
+                        "ALE/Pong-v5 PongNoFrameskip-v4 for sticky and non-sticky games. The monitor and the saved "
+                        "files stay --env's (default: --env)")
     p.add_argument("--workers", "-w", type=int, default=None,
                    help="A3G mode's training processes; giving it selects A3G mode unless --mode says otherwise "
                         f"(default: the number of CPU cores, {os.cpu_count() or 1} here)")
@@ -359,6 +364,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
+    errors += validate_train_envs(args)
     errors += other_mode_flags(args)
     errors += validate_ray(args)
     if args.ray_address is None:  # on Ray, the GPUs are the nodes' (checked against the cluster's)
@@ -368,6 +374,62 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not any("--gpu-ids" in e for e in errors):
         errors += validate_precision(args)
     return errors
+
+
+def learner_envs(args: argparse.Namespace) -> tuple[int, str]:
+    """How many learner environments the run starts with, and which flags say so (for messages)."""
+    if args.mode == "ga3c":
+        return args.agents * args.envs_per_agent, f"--agents {args.agents} x --envs-per-agent {args.envs_per_agent}"
+    return args.workers, f"--workers {args.workers}"
+
+
+def validate_train_envs(args: argparse.Namespace) -> list[str]:
+    """``--train-envs``: every id known and of ``--env``'s game (the same actions and crop), and no more ids than
+    learner environments (an id past them would never be played)."""
+    if not args.train_envs:
+        return []
+    try:
+        game = resolve_env_id(args.env).game
+    except EnvIdError:
+        return []  # reported for --env
+    errors = []
+    for env_id in args.train_envs:
+        try:
+            other = resolve_env_id(env_id).game
+        except EnvIdError as e:
+            errors.append(f"--train-envs: {e}")
+            continue
+        if other != game:
+            errors.append(f"--train-envs: {env_id} is {other}, not {game}: every learner env must be --env's game "
+                          f"({args.env}), in any of its versions (e.g. ALE/{game}-v5, {game}NoFrameskip-v4)")
+    counts = (args.agents, args.envs_per_agent) if args.mode == "ga3c" else (args.workers,)
+    if all(isinstance(c, int) and c > 0 for c in counts):  # bad counts are reported for their own flags
+        n, flags = learner_envs(args)
+        if n < len(args.train_envs):
+            errors.append(f"--train-envs gives {len(args.train_envs)} ids for {n} learner envs ({flags}): the ids past "
+                          f"the first {n} would never be played; give at most {n}, or more learner envs")
+    return errors
+
+
+def train_env_id(args: argparse.Namespace, index: int) -> str:
+    """The env id that learner ``index`` (an A3G worker's rank, a GA3C env slot) plays."""
+    ids = getattr(args, "train_envs", None)
+    return ids[index % len(ids)] if ids else args.env
+
+
+def train_envs_line(args: argparse.Namespace) -> str | None:
+    """What the learners play when ``--train-envs`` is given, e.g. ``learners play ALE/Pong-v5 (8 envs),
+    PongNoFrameskip-v4 (8 envs); the monitor plays ALE/Pong-v5``; None without it."""
+    if not args.train_envs:
+        return None
+    n, _ = learner_envs(args)
+    counts: dict[str, int] = {}
+    for i in range(n):
+        counts[train_env_id(args, i)] = counts.get(train_env_id(args, i), 0) + 1
+    kind = "envs" if args.mode == "ga3c" else "workers"
+    parts = ", ".join(f"{env_id} ({c} {kind if c > 1 else kind[:-1]})" for env_id, c in counts.items())
+    return (f"learners play {parts}{' on each node' if args.ray_address is not None else ''}; the monitor plays "
+            f"{args.env}")
 
 
 def other_mode_flags(args: argparse.Namespace) -> list[str]:

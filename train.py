@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import torch
 
-from config import rollout_length
+from config import rollout_length, train_env_id
 from environment import atari_env, load_env_config, normalizer
 from losses import A3CLoss
 from model import A3Clstm
@@ -48,7 +48,8 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     Stops when ``run.stop`` is set, when the global step count reaches ``--max-steps``, or after ``max_updates``.
     """
     torch.manual_seed(args.seed + rank)
-    env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
+    env_id = train_env_id(args, rank)
+    env = atari_env(env_id, load_env_config(args.env_config, env_id), max_episode_length=args.max_episode_length,
                     skip_rate=args.skip_rate, episodic_life=True)
     env.action_space.seed(args.seed + rank)
     mean, std, count = run.norm_stats[rank].tolist()

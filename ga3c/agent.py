@@ -33,6 +33,7 @@ from run_state import AnyOf
 @dataclass(frozen=True)
 class AtariEnvFactory:
     """Builds a learner's environment for an env slot with ``environment.atari_env`` (``episodic_life=True``).
+    Slot s plays ``env_ids[s % len(env_ids)]`` (``--train-envs``), or ``env_id`` when ``env_ids`` is empty.
     Picklable, so it can be handed to a spawned agent process."""
 
     env_id: str
@@ -40,10 +41,21 @@ class AtariEnvFactory:
     max_episode_length: int = 10000
     skip_rate: int = 4
     seed: int | None = None  # env slot s is seeded with seed + s
+    env_ids: tuple[str, ...] = ()
+
+    @classmethod
+    def for_args(cls, args) -> "AtariEnvFactory":
+        """The factory a training run's agents use (``Ga3cRun`` builds it from the run's flags)."""
+        return cls(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed,
+                   env_ids=tuple(args.train_envs or ()))
+
+    def env_id_of(self, slot: int) -> str:
+        return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id
 
     def __call__(self, slot: int):
         from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
-        env = atari_env(self.env_id, load_env_config(self.env_config, self.env_id),
+        env_id = self.env_id_of(slot)
+        env = atari_env(env_id, load_env_config(self.env_config, env_id),
                         max_episode_length=self.max_episode_length, skip_rate=self.skip_rate, episodic_life=True)
         if self.seed is not None:
             env.action_space.seed(self.seed + slot)

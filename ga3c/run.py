@@ -125,8 +125,7 @@ class Ga3cRun(Mode):
 
     def _start_agent(self, a: int) -> None:
         a_args = self.args
-        factory = AtariEnvFactory(a_args.env, a_args.env_config, a_args.max_episode_length, a_args.skip_rate,
-                                  seed=a_args.seed)
+        factory = AtariEnvFactory.for_args(a_args)
         old = self._agent_processes.get(a)
         if old is not None and old.is_alive():  # retired earlier: it must let go of its env slots first
             old.join(5.0)

@@ -1,0 +1,127 @@
+"""``--train-envs``: the learners play a mix of one game's env ids (sticky and non-sticky, say) while the monitor and
+the saved files stay ``--env``'s. Checked on the objects the run builds: the factory a GA3C agent process gets and
+the env an A3G worker makes, on real ALE, and main.py as a subprocess."""
+import pytest
+import torch
+
+import train
+from config import build_parser, train_env_id, train_envs_line, validate
+from conftest import ROOT, run_entry
+from ga3c.run import Ga3cRun
+from model import A3Clstm
+from run_state import RunState
+
+CPU = torch.device("cpu")
+MIX = ["ALE/Pong-v5", "PongNoFrameskip-v4", "Pong-v0"]
+# what each id is built as: the emulator's id, its sticky-action probability, and whether we skip frames ourselves
+BUILT = {"ALE/Pong-v5": ("ALE/Pong-v5", 0.25, False), "PongNoFrameskip-v4": ("PongNoFrameskip-v4", 0.0, True),
+         "Pong-v0": ("Pong-v0", 0.25, False)}
+
+
+def parse(tmp_path, *flags):
+    args = build_parser().parse_args(["--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path), *flags])
+    return args, validate(args)
+
+
+def built_as(env):
+    """(emulator id, sticky-action probability, our own frame skip) of a learner env stack, read from the env."""
+    from environment import MaxAndSkip
+    e, ours = env, False
+    while hasattr(e, "env"):
+        ours |= isinstance(e, MaxAndSkip)
+        e = e.env
+    return env.unwrapped.spec.id, round(env.unwrapped.ale.getFloat("repeat_action_probability"), 6), ours
+
+
+def test_learner_i_plays_id_i_mod_len(tmp_path):
+    args, errors = parse(tmp_path, "--agents", "2", "--envs-per-agent", "4", "--train-envs", *MIX)
+    assert errors == [] and args.mode == "ga3c"
+    assert [train_env_id(args, i) for i in range(8)] == MIX * 2 + MIX[:2]
+    assert train_envs_line(args) == ("learners play ALE/Pong-v5 (3 envs), PongNoFrameskip-v4 (3 envs), Pong-v0 "
+                                     "(2 envs); the monitor plays PongNoFrameskip-v4")
+    args, errors = parse(tmp_path, "--workers", "3", "--train-envs", "ALE/Pong-v5", "ALE/Pong-v5", "Pong-v0")
+    assert errors == [] and [train_env_id(args, i) for i in range(3)] == ["ALE/Pong-v5", "ALE/Pong-v5", "Pong-v0"]
+    assert train_envs_line(args) == ("learners play ALE/Pong-v5 (2 workers), Pong-v0 (1 worker); the monitor plays "
+                                     "PongNoFrameskip-v4")
+    args, errors = parse(tmp_path, "--workers", "2")
+    assert errors == [] and args.train_envs is None and train_envs_line(args) is None
+    assert [train_env_id(args, i) for i in range(2)] == ["PongNoFrameskip-v4"] * 2
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--train-envs", "Pongg-v5"], "--train-envs: unknown environment id 'Pongg-v5'; did you mean "),
+    (["--train-envs", "PongNoFrameskip-v4", "ALE/Breakout-v5"],
+     "--train-envs: ALE/Breakout-v5 is Breakout, not Pong: every learner env must be --env's game "
+     "(PongNoFrameskip-v4), in any of its versions (e.g. ALE/Pong-v5, PongNoFrameskip-v4)"),
+    (["--workers", "2", "--train-envs", *MIX],
+     "--train-envs gives 3 ids for 2 learner envs (--workers 2): the ids past the first 2 would never be played; "
+     "give at most 2, or more learner envs"),
+    (["--agents", "1", "--envs-per-agent", "2", "--train-envs", *MIX],
+     "--train-envs gives 3 ids for 2 learner envs (--agents 1 x --envs-per-agent 2): the ids past the first 2 "
+     "would never be played; give at most 2, or more learner envs"),
+], ids=["unknown", "other-game", "a3g-too-many", "ga3c-too-many"])
+def test_bad_train_envs_are_refused_in_one_line(tmp_path, flags, error):
+    _, errors = parse(tmp_path, *flags)
+    assert len(errors) == 1 and errors[0].startswith(error), errors
+
+
+def test_ga3c_agents_get_a_factory_that_builds_each_slot_from_its_id(tmp_path, monkeypatch):
+    """The run's own ``_start_agent``: the factory handed to each agent process builds slot s from MIX[s % 3]."""
+    args, errors = parse(tmp_path, "--agents", "2", "--envs-per-agent", "2", "--hidden-size", "32",
+                         "--train-envs", *MIX)
+    assert errors == []
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = Ga3cRun(args, shared, None, log=None)
+    started = []
+    monkeypatch.setattr(run, "_start", lambda role, target, target_args: started.append(target_args))
+    try:
+        for a in range(args.agents):
+            run._start_agent(a)
+        assert len(started) == 2
+        seen = {}
+        for agent_id, slots, _buffers, factory, *_ in started:
+            for s in slots:
+                env = factory(s)
+                try:
+                    seen[s] = built_as(env)
+                finally:
+                    env.close()
+        assert seen == {s: BUILT[MIX[s % 3]] for s in range(4)}
+    finally:
+        run.release()
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_an_a3g_worker_plays_the_id_of_its_rank(tmp_path, monkeypatch, rank):
+    """``train.run_worker`` as a worker process runs it, one update: the env it builds and steps is MIX[rank]."""
+    args, errors = parse(tmp_path, "--workers", "3", "--hidden-size", "32", "--num-steps", "5",
+                         "--train-envs", *MIX)
+    assert errors == []
+    built = []
+    real = train.atari_env
+    monkeypatch.setattr(train, "atari_env", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = RunState(3)
+    assert train.run_worker(rank, args, shared, None, run, CPU, max_updates=1) == 1
+    assert len(built) == 1 and built_as(built[0]) == BUILT[MIX[rank]]
+    assert run.global_steps.value == 5
+
+
+def test_main_trains_on_the_mix_and_says_so(tmp_path):
+    common = ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"),
+              "--env-config", str(ROOT / "config.json"), "--hidden-size", "32"]
+    r = run_entry("main.py", *common, "--workers", "2", "--train-envs", *MIX, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("main.py: error: --train-envs gives 3 ids for 2 learner envs (--workers 2): the ids "
+                                "past the first 2 would never be played; give at most 2, or more learner envs")
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "models").exists()
+    r = run_entry("main.py", *common, "--env", "ALE/Pong-v5", "--agents", "1", "--envs-per-agent", "3",
+                  "--train-batch", "2", "--num-steps", "5", "--max-steps", "150", "--precision", "fp32",
+                  "--train-envs", *MIX, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("learners play ALE/Pong-v5 (1 env), PongNoFrameskip-v4 (1 env), Pong-v0 (1 env); the monitor plays "
+            "ALE/Pong-v5") in r.stdout
+    ckpt = torch.load(tmp_path / "models" / "ALE_Pong-v5.ckpt", weights_only=True)
+    assert ckpt["config"]["train_envs"] == MIX and ckpt["global_steps"] >= 150
