@@ -190,13 +190,16 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart steps
     after a lost life included), and False when ``should_stop()`` became true mid-game. The time limit counts
     the reset's FIRE and action 2 as well, so in a game with FIRE a game it cuts has a length 2 under it.
-    ``on_frame(env)`` is called after every step (recording: one video frame per agent step). ``points``, when
+    ``on_frame(env)`` is called after the reset and after every step (recording: the first frame, then one video
+    frame per agent step: ``length + 1`` in all). ``points``, when
     given, gets ``(agent step, reward)`` appended for every step with a non-zero reward (the step counted from 1,
     as ``length`` counts it). ``trace``, when given, gets ``(agent step, action, reward, value, probabilities)``
     appended for every step the policy chose (not the restart steps after a lost life): the critic's value and
     the policy's probabilities of the state it acted in.
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
+    if on_frame is not None:
+        on_frame(env)
     ale = env.unwrapped.ale
     restart = (0, *FIRE_RESET_ACTIONS) if "FIRE" in env.unwrapped.get_action_meanings() else (0,)
     lives = ale.lives()

@@ -86,14 +86,15 @@ def test_trace_writes_every_policy_step_of_every_game(tmp_path, model_dir):
         assert len({row["value"] for row in rows}) > 1
 
 
-def test_record_writes_video_with_one_frame_per_step(tmp_path, model_dir):
+def test_record_writes_the_first_frame_and_one_per_step(tmp_path, model_dir):
     import imageio_ffmpeg
     s, _ = evaluate(tmp_path, model_dir, "v", "--num-episodes", "2", "--render-freq", "2", "--record",
                     str(tmp_path / "videos"))
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert [v.name for v in videos] == ["PongNoFrameskip-v4_game000.mp4"]  # every 2nd game: game 0 only
     n_frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(videos[0]))
-    assert n_frames == s["lengths"][0]
+    assert n_frames == s["lengths"][0] + 1  # the game's first frame, then one after every agent step
+    assert s["videos"] == {str(videos[0]): n_frames}
     assert seconds == pytest.approx(n_frames / 15.0, abs=0.2)  # real time: 60 frames/s, 4 frames a step
     meta = next(imageio_ffmpeg.read_frames(str(videos[0])))
     assert meta["codec"] == "h264" and meta["size"] == (160, 210)
