@@ -139,6 +139,21 @@ def mode_change_line(saved_config: dict, args: Namespace) -> str:
             + (how.get(was_mode, "") if now_mode == "ga3c" else ""))
 
 
+def optimizer_not_resumed_line(ckpt: dict, args: Namespace) -> str:
+    """Why a resumed run starts with fresh optimizer statistics."""
+    saved_name = ckpt.get("optimizer_name")
+    if not args.shared_optimizer:
+        why = "--no-shared-optimizer gives " + ("the GA3C server" if args.mode == "ga3c" else "each worker") + \
+              " a fresh optimizer of its own"
+        if ckpt.get("optimizer") is not None:
+            why += "; the checkpoint's shared statistics stay unused"
+    elif ckpt.get("optimizer") is None:
+        why = "the checkpoint has none (its run used --no-shared-optimizer)"
+    else:
+        why = f"the checkpoint's are {saved_name}'s and this run uses {args.optimizer}"
+    return f"optimizer statistics not resumed: {why}"
+
+
 def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
     """The line that says a resumed GA3C checkpoint was trained with another ``--train-batch`` than this GA3C run's
     (its default follows the env slots); "" otherwise."""
@@ -296,7 +311,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             if changed:
                 log.info("the command line changes the checkpoint's " + ", ".join(changed))
         else:
-            log.info("optimizer statistics not resumed (none saved, or another optimizer)")
+            log.info(optimizer_not_resumed_line(resume_ckpt, args))
     if resume_path is not None:
         log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
 

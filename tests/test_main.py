@@ -513,3 +513,22 @@ def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv
     args = build_parser().parse_args(argv)
     validate(args)
     assert train_batch_change_line(saved, args) == line
+
+
+@pytest.mark.parametrize("ckpt,argv,why", [
+    ({"optimizer": {"state": {}}, "optimizer_name": "Adam"}, ["--workers", "2", "--no-shared-optimizer"],
+     "--no-shared-optimizer gives each worker a fresh optimizer of its own; the checkpoint's shared statistics "
+     "stay unused"),
+    ({"optimizer": None, "optimizer_name": "Adam"}, ["--no-shared-optimizer"],
+     "--no-shared-optimizer gives the GA3C server a fresh optimizer of its own"),
+    ({"optimizer": None, "optimizer_name": "Adam"}, ["--workers", "2"],
+     "the checkpoint has none (its run used --no-shared-optimizer)"),
+    ({"optimizer": {"state": {}}, "optimizer_name": "RMSprop"}, ["--optimizer", "Adam"],
+     "the checkpoint's are RMSprop's and this run uses Adam"),
+])
+def test_a_resume_says_why_the_optimizer_statistics_start_fresh(ckpt, argv, why):
+    from config import build_parser, validate
+    from main import optimizer_not_resumed_line
+    args = build_parser().parse_args(argv)
+    validate(args)
+    assert optimizer_not_resumed_line(ckpt, args) == f"optimizer statistics not resumed: {why}"
