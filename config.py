@@ -377,35 +377,44 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 
 def learner_envs(args: argparse.Namespace) -> tuple[int, str]:
-    """How many learner environments the run starts with, and which flags say so (for messages)."""
+    """How many learner environments the run starts with (on Ray, on each node), and which flags say so."""
     if args.mode == "ga3c":
         return args.agents * args.envs_per_agent, f"--agents {args.agents} x --envs-per-agent {args.envs_per_agent}"
-    return args.workers, f"--workers {args.workers}"
+    return args.workers, f"--workers {args.workers}" + (" on each node" if args.ray_address is not None else "")
 
 
 def validate_train_envs(args: argparse.Namespace) -> list[str]:
-    """``--train-envs``: every id known and of ``--env``'s game (the same actions and crop), and no more ids than
-    learner environments (an id past them would never be played)."""
+    """``--train-envs``: every id known, of ``--env``'s game (hence its action set) with its crop rows, and no more
+    ids than learner environments (an id past them would never be played); with ``--dynamic``, whose agents may
+    drop to one, no more than one agent's envs."""
     if not args.train_envs:
         return []
+    errors = []
     try:
         game = resolve_env_id(args.env).game
-    except EnvIdError:
-        return []  # reported for --env
-    errors = []
+        crop = load_env_config(args.env_config, args.env)
+    except (EnvIdError, ValueError, OSError):
+        game = crop = None  # reported for --env or --env-config; the ids are still checked
     for env_id in args.train_envs:
         try:
             other = resolve_env_id(env_id).game
         except EnvIdError as e:
             errors.append(f"--train-envs: {e}")
             continue
-        if other != game:
+        if game is not None and other != game:
             errors.append(f"--train-envs: {env_id} is {other}, not {game}: every learner env must be --env's game "
                           f"({args.env}), in any of its versions (e.g. ALE/{game}-v5, {game}NoFrameskip-v4)")
+        elif crop is not None and load_env_config(args.env_config, env_id) != crop:
+            errors.append(f"--train-envs: {args.env_config} crops {env_id} otherwise than {args.env}; give both ids "
+                          f"the same entry")
     counts = (args.agents, args.envs_per_agent) if args.mode == "ga3c" else (args.workers,)
     if all(isinstance(c, int) and c > 0 for c in counts):  # bad counts are reported for their own flags
         n, flags = learner_envs(args)
-        if n < len(args.train_envs):
+        if args.mode == "ga3c" and args.dynamic and args.envs_per_agent < len(args.train_envs):
+            errors.append(f"--train-envs gives {len(args.train_envs)} ids and --dynamic may leave one agent, whose "
+                          f"--envs-per-agent {args.envs_per_agent} envs play only the first {args.envs_per_agent}; "
+                          f"give at most {args.envs_per_agent} ids, or more --envs-per-agent")
+        elif n < len(args.train_envs):
             errors.append(f"--train-envs gives {len(args.train_envs)} ids for {n} learner envs ({flags}): the ids past "
                           f"the first {n} would never be played; give at most {n}, or more learner envs")
     return errors
@@ -428,8 +437,9 @@ def train_envs_line(args: argparse.Namespace) -> str | None:
         counts[train_env_id(args, i)] = counts.get(train_env_id(args, i), 0) + 1
     kind = "envs" if args.mode == "ga3c" else "workers"
     parts = ", ".join(f"{env_id} ({c} {kind if c > 1 else kind[:-1]})" for env_id, c in counts.items())
-    return (f"learners play {parts}{' on each node' if args.ray_address is not None else ''}; the monitor plays "
-            f"{args.env}")
+    return (f"learners play {parts}{' on each node' if args.ray_address is not None else ''}"
+            f"{' (at the start: --dynamic changes the agents)' if args.mode == 'ga3c' and args.dynamic else ''}; "
+            f"the monitor plays {args.env}")
 
 
 def other_mode_flags(args: argparse.Namespace) -> list[str]:

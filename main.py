@@ -139,6 +139,17 @@ def mode_change_line(saved_config: dict, args: Namespace) -> str:
             + (how.get(was_mode, "") if now_mode == "ga3c" else ""))
 
 
+def train_envs_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed checkpoint's learners played other env ids than this run's (each env slot's or
+    worker's frame statistics carry over by position); "" when they are the same."""
+    was = saved_config.get("train_envs") or [saved_config.get("env", args.env)]
+    now = args.train_envs or [args.env]
+    if list(was) == list(now):
+        return ""
+    return (f"the checkpoint's learners played {' '.join(was)}; this run's play {' '.join(now)} (--train-envs; the "
+            f"frame statistics carry over by env slot or worker)")
+
+
 def optimizer_not_resumed_line(ckpt: dict, args: Namespace) -> str:
     """Why a resumed run starts with fresh optimizer statistics."""
     saved_name = ckpt.get("optimizer_name")
@@ -321,7 +332,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                    for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
-        for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args)):
+        for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
+                     train_envs_change_line(saved_config, args)):
             if line:
                 log.info(line)
         was = saved_config.get("compute_precision", "fp32")

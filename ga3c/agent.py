@@ -47,7 +47,7 @@ class AtariEnvFactory:
     def for_args(cls, args) -> "AtariEnvFactory":
         """The factory a training run's agents use (``Ga3cRun`` builds it from the run's flags)."""
         return cls(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed,
-                   env_ids=tuple(args.train_envs or ()))
+                   env_ids=tuple(getattr(args, "train_envs", None) or ()))
 
     def env_id_of(self, slot: int) -> str:
         return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id

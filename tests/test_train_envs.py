@@ -59,10 +59,50 @@ def test_learner_i_plays_id_i_mod_len(tmp_path):
     (["--agents", "1", "--envs-per-agent", "2", "--train-envs", *MIX],
      "--train-envs gives 3 ids for 2 learner envs (--agents 1 x --envs-per-agent 2): the ids past the first 2 "
      "would never be played; give at most 2, or more learner envs"),
-], ids=["unknown", "other-game", "a3g-too-many", "ga3c-too-many"])
+    (["--workers", "2", "--ray-address", "local", "--train-envs", *MIX],
+     "--train-envs gives 3 ids for 2 learner envs (--workers 2 on each node): the ids past the first 2 would never "
+     "be played"),
+    (["--agents", "2", "--envs-per-agent", "2", "--dynamic", "--train-envs", *MIX],
+     "--train-envs gives 3 ids and --dynamic may leave one agent, whose --envs-per-agent 2 envs play only the first "
+     "2; give at most 2 ids, or more --envs-per-agent"),
+], ids=["unknown", "other-game", "a3g-too-many", "ga3c-too-many", "ray-too-many", "dynamic-too-many"])
 def test_bad_train_envs_are_refused_in_one_line(tmp_path, flags, error):
     _, errors = parse(tmp_path, *flags)
     assert len(errors) == 1 and errors[0].startswith(error), errors
+
+
+def test_dynamic_and_ray_runs_take_a_mix_that_every_agent_or_node_plays(tmp_path):
+    args, errors = parse(tmp_path, "--agents", "2", "--envs-per-agent", "3", "--dynamic", "--train-envs", *MIX)
+    assert errors == [] and train_envs_line(args).endswith(
+        "Pong-v0 (2 envs) (at the start: --dynamic changes the agents); the monitor plays PongNoFrameskip-v4")
+    args, errors = parse(tmp_path, "--workers", "3", "--ray-address", "local", "--train-envs", *MIX)
+    assert errors == [] and train_envs_line(args) == (
+        "learners play ALE/Pong-v5 (1 worker), PongNoFrameskip-v4 (1 worker), Pong-v0 (1 worker) on each node; "
+        "the monitor plays PongNoFrameskip-v4")
+
+
+def test_an_id_that_the_crop_table_crops_otherwise_is_refused(tmp_path):
+    table = tmp_path / "crops.json"
+    table.write_text('{"Default": {"crop1": 34, "crop2": 34}, "Pong-v0": {"crop1": 30, "crop2": 30}}')
+    _, errors = parse(tmp_path, "--env-config", str(table), "--train-envs", "ALE/Pong-v5", "Pong-v0")
+    assert errors == [f"--train-envs: {table} crops Pong-v0 otherwise than PongNoFrameskip-v4; give both ids the "
+                      f"same entry"]
+
+
+@pytest.mark.parametrize("saved,argv,line", [
+    ({"env": "ALE/Pong-v5", "train_envs": None}, ["--env", "ALE/Pong-v5"], ""),
+    ({"env": "ALE/Pong-v5", "train_envs": None}, ["--env", "ALE/Pong-v5", "--train-envs", "ALE/Pong-v5"], ""),
+    ({"env": "ALE/Pong-v5"}, ["--env", "ALE/Pong-v5", "--train-envs", "ALE/Pong-v5", "Pong-v0"],
+     "the checkpoint's learners played ALE/Pong-v5; this run's play ALE/Pong-v5 Pong-v0 (--train-envs; the frame "
+     "statistics carry over by env slot or worker)"),
+    ({"env": "ALE/Pong-v5", "train_envs": ["ALE/Pong-v5", "Pong-v0"]}, ["--env", "ALE/Pong-v5"],
+     "the checkpoint's learners played ALE/Pong-v5 Pong-v0; this run's play ALE/Pong-v5 (--train-envs; the frame "
+     "statistics carry over by env slot or worker)"),
+])
+def test_a_resume_with_other_train_envs_is_named(tmp_path, saved, argv, line):
+    from main import train_envs_change_line
+    args, errors = parse(tmp_path, *argv)
+    assert errors == [] and train_envs_change_line(saved, args) == line
 
 
 def test_ga3c_agents_get_a_factory_that_builds_each_slot_from_its_id(tmp_path, monkeypatch):
