@@ -389,3 +389,13 @@ def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_p
     assert default_model_file(models, "ALE/Pong-v5") == models / "ALE_Pong-v5.dat"
     card.write_text(json.dumps({"model_file": "Pong-v0.dat", "default_for": ["ALE/Pong-v5"]}))
     assert default_model_file(models, "ALE/Pong-v5") == models / "Pong-v0.dat"
+
+
+@pytest.mark.parametrize("env_id,model", [("ALE/Pong-v5", "ALE_Pong-v5.dat"), ("Pong-v0", "ALE_Pong-v5.dat"),
+                                          ("PongNoFrameskip-v4", "PongNoFrameskip-v4.dat"),
+                                          ("BreakoutNoFrameskip-v4", "BreakoutNoFrameskip-v4.dat"),
+                                          ("BreakoutNoFrameskip-v0", "BreakoutNoFrameskip-v4.dat")])
+def test_gym_eval_finds_the_shipped_model_for_each_protocol_without_flags(env_id, model):
+    """What ``python gym_eval.py --env ENV`` loads from trained_models/ with no --model-file."""
+    from gym_eval import default_model_file
+    assert default_model_file(ROOT / "trained_models", env_id) == ROOT / "trained_models" / model
