@@ -7,6 +7,7 @@ starts and returns every problem at once, each as one line a user can act on.
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 from pathlib import Path
@@ -432,9 +433,7 @@ def train_envs_line(args: argparse.Namespace) -> str | None:
     if not args.train_envs:
         return None
     n, _ = learner_envs(args)
-    counts: dict[str, int] = {}
-    for i in range(n):
-        counts[train_env_id(args, i)] = counts.get(train_env_id(args, i), 0) + 1
+    counts = collections.Counter(train_env_id(args, i) for i in range(n))  # in the order of first appearance
     kind = "envs" if args.mode == "ga3c" else "workers"
     parts = ", ".join(f"{env_id} ({c} {kind if c > 1 else kind[:-1]})" for env_id, c in counts.items())
     return (f"learners play {parts}{' on each node' if args.ray_address is not None else ''}"

@@ -346,8 +346,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    if train_envs_line(args):
-        log.info(train_envs_line(args))
+    mix = train_envs_line(args)
+    if mix:
+        log.info(mix)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),
                                 ("entropy bonus", args.entropy_coef, args.entropy_anneal_steps)):
         if anneal:
