@@ -1,6 +1,8 @@
 """``--train-envs``: the learners play a mix of one game's env ids (sticky and non-sticky, say) while the monitor and
 the saved files stay ``--env``'s. Checked on the objects the run builds: the factory a GA3C agent process gets and
 the env an A3G worker makes, on real ALE, and main.py as a subprocess."""
+import time
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from conftest import ROOT, run_entry
 from ga3c.run import Ga3cRun
 from model import A3Clstm
 from run_state import RunState
+from test_faults import check_end, launch, load_saved, models_dir, wait_for_steps  # noqa: F401 - launch: fixture
+from test_ga3c_main import ga3c_fault_args
 
 CPU = torch.device("cpu")
 MIX = ["ALE/Pong-v5", "PongNoFrameskip-v4", "Pong-v0"]
@@ -165,3 +169,19 @@ def test_main_trains_on_the_mix_and_says_so(tmp_path):
             "ALE/Pong-v5") in r.stdout
     ckpt = torch.load(tmp_path / "models" / "ALE_Pong-v5.ckpt", weights_only=True)
     assert ckpt["config"]["train_envs"] == MIX and ckpt["global_steps"] >= 150
+
+
+def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, tmp_path):  # noqa: F811
+    """kill -9 of the agent whose slots play the other ids: the run ends with nothing left running (the fixture
+    asserts so at teardown), and the last checkpoint loads and names the mix."""
+    run = launch(ga3c_fault_args(tmp_path, "--agents", "2", "--train-envs", "PongNoFrameskip-v4", "PongNoFrameskip-v4",
+                                 "ALE/Pong-v5", "Pong-v0"))
+    victim = run.role("ga3c agent 1")  # slots 2 and 3: ALE/Pong-v5 and Pong-v0
+    wait_for_steps(run, tmp_path, minimum=20)
+    t = time.monotonic()
+    victim.kill()
+    check_end(run, t, {1})
+    assert "ga3c agent 1 exited unexpectedly" in run.stdout(), run.tail()
+    ckpt = load_saved(models_dir(tmp_path))["PongNoFrameskip-v4.ckpt"]
+    assert ckpt["global_steps"] >= 20
+    assert ckpt["config"]["train_envs"] == ["PongNoFrameskip-v4", "PongNoFrameskip-v4", "ALE/Pong-v5", "Pong-v0"]
