@@ -3,10 +3,13 @@
     python gym_eval.py --env PongNoFrameskip-v4 --num-episodes 100
     python gym_eval.py --env PongNoFrameskip-v0 --model-file PongNoFrameskip-v4 --workers 2 --json pong_sticky.json
     python gym_eval.py --env BreakoutNoFrameskip-v4 --num-episodes 3 --record runs/videos
+    python gym_eval.py --env SpaceInvadersNoFrameskip-v4 --random-actions --workers 2   # chance, same protocol
 
 A game is a whole game over all lives. It is played greedily (argmax of the policy) and scored unclipped, with a
 time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--seed + i`` and starts from fresh
-normalisation statistics, so a seed gives the same scores with any number of ``--workers``.
+normalisation statistics, so a seed gives the same scores with any number of ``--workers``. ``--random-actions``
+plays the same games with uniformly random actions instead of a model (seeded per game as well): what chance
+scores under exactly this protocol.
 
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
 mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
@@ -75,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="the conv encoder's precision while playing: fp32 keeps scores comparable across machines; "
                         "bf16, or auto (bf16 where native) (default: %(default)s)")
-    p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json)")
+    p.add_argument("--random-actions", action="store_true",
+                   help="play uniformly random actions instead of a model, under the same protocol: the chance "
+                        "level a model is compared with (no model file is read)")
+    p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json; with "
+                                                "--random-actions <log-dir>/<env>_random_eval.json)")
     return p
 
 
@@ -131,6 +138,12 @@ def validate(args: argparse.Namespace) -> list[str]:
             errors += validate_dir(folder, flag)
     if args.json is not None:
         errors += validate_file(args.json, "--json")
+    if args.random_actions and args.model_file is not None:
+        errors.append("--random-actions plays without a model: drop --model-file (or drop --random-actions to "
+                      "evaluate the model)")
+    if args.random_actions and args.trace:
+        errors.append("--trace writes the critic's values and the policy's probabilities, which random actions do "
+                      "not have: drop --trace or --random-actions")
     gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
     errors += gpu_errors
     if not gpu_errors:
@@ -183,9 +196,31 @@ def real_time_fps(args: argparse.Namespace) -> float:
     return 60.0 / skip
 
 
-def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], device: torch.device, results) -> None:
+class UniformRandomPolicy:
+    """Stands in for the model in ``play_game``: every call picks one of ``n_actions`` uniformly at random from its
+    own generator, seeded with ``seed`` (so a game's actions do not depend on which process plays it), as the
+    argmax of a one-hot row of logits. Its value is 0 and its state a dummy."""
+
+    def __init__(self, n_actions: int, seed: int):
+        self.n_actions = n_actions
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def initial_state(self, batch: int = 1, device: torch.device | str = "cpu"):
+        z = torch.zeros(batch, 1, device=device)
+        return z, z.clone()
+
+    def __call__(self, x: torch.Tensor, state):
+        action = int(torch.randint(self.n_actions, (1,), generator=self.generator))
+        logits = torch.zeros(x.shape[0], self.n_actions, device=x.device)
+        logits[:, action] = 1.0
+        return torch.zeros(x.shape[0], 1, device=x.device), logits, state
+
+
+def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[int], device: torch.device,
+               results) -> None:
     """Play the games with these indices and put ``(index, score, length, frames_recorded, points)`` on
-    ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward."""
+    ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward. With
+    ``args.random_actions`` (``state_dict`` None) game i plays ``UniformRandomPolicy(seed=args.seed + i)``."""
     from player_util import play_game
 
     use_device(device)
@@ -196,7 +231,9 @@ def play_games(args: argparse.Namespace, state_dict: dict, games: list[int], dev
         mode = ("human" if args.render else "rgb_array") if render else None
         env = atari_env(args.env, conf, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
                         episodic_life=False, render_mode=mode)
-        if model is None:
+        if args.random_actions:
+            model = UniformRandomPolicy(env.action_space.n, args.seed + i)
+        elif model is None:
             model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device).eval()
             model.load_state_dict(state_dict)
             model.set_precision(precision.compute_dtype(args.compute_precision))
@@ -319,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = validate(args)
     state_dict = None
     path = resolve_model_file(args)
-    if not errors:
+    if not errors and not args.random_actions:
         try:
             n_actions = num_actions(args.env)
             obj = read_weights(path)
@@ -348,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                      episodic_life=False)
     for k, v in sorted(vars(args).items()):
         log.info(f"{k}: {v}")
-    log.info(f"model: {path}")
+    log.info("policy: uniform random actions" if args.random_actions else f"model: {path}")
 
     n = args.num_episodes
     start = time.time()
@@ -415,11 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     score_list = [scores[i] for i in order]
     s = summarize(score_list)
     wall = time.time() - start
-    summary = (f"{args.env}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, max {s['max']:g}, "
-               f"median {s['median']:g} ({wall:.0f} s; protocol: frameskip {frameskip_words(proto['frameskip'])}, sticky actions "
+    who = " (uniform random actions)" if args.random_actions else ""
+    summary = (f"{args.env}{who}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, "
+               f"max {s['max']:g}, median {s['median']:g} ({wall:.0f} s; protocol: frameskip "
+               f"{frameskip_words(proto['frameskip'])}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
                f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps"
-               f"{'' if args.compute_precision == 'fp32' else ', model in ' + args.compute_precision})")
+               f"{'' if args.compute_precision == 'fp32' or who else ', model in ' + args.compute_precision})")
     log.info(summary)
     print(summary, flush=True)
     point_list = [points[i] for i in order]
@@ -428,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         line = points_line(lost, n)
         log.info(line)
         print(line, flush=True)
-    claim = card_claim(path, args.env)
+    claim = None if args.random_actions else card_claim(path, args.env)
     if claim is not None:
         try:
             claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
@@ -436,15 +475,18 @@ def main(argv: list[str] | None = None) -> int:
             claim["line"] = f"card: {claim['path']} is malformed ({e!r}): not compared"
         log.info(claim["line"])
         print(claim["line"], flush=True)
-    out = {"env": args.env, "model": str(path), "episodes": n, **s, "scores": score_list,
+    out = {"env": args.env, "model": None if args.random_actions else str(path),
+           "policy": "uniform random actions" if args.random_actions else "greedy (argmax)", "episodes": n, **s,
+           "scores": score_list,
            "lengths": [lengths[i] for i in order], "points": point_list, "points_lost": lost,
            "seed": args.seed, "protocol": proto,
-           "precision": args.compute_precision, "card": claim,
+           "precision": None if args.random_actions else args.compute_precision, "card": claim,
            "wall_seconds": wall}
     if args.record:
         out["videos"] = {str(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4"): frames[i]
                          for i in order if frames[i]}
-    json_path = Path(args.json) if args.json else Path(args.log_dir) / f"{safe_name(args.env)}_eval.json"
+    stem = f"{safe_name(args.env)}{'_random' if args.random_actions else ''}_eval.json"
+    json_path = Path(args.json) if args.json else Path(args.log_dir) / stem
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"summary written to {json_path}")

@@ -175,6 +175,71 @@ def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_
     assert "line 1 is not a results.txt line" in capsys.readouterr().err
 
 
+def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
+    """--random-actions reads no model (the folder is empty), plays the protocol's games with seeded random actions
+    whichever process plays them, and writes its JSON beside, not over, a model's."""
+    empty = tmp_path / "no_models"
+    empty.mkdir()
+    flags = ["--hidden-size", "32", "--max-episode-length", "150", "--load-model-dir", str(empty), "--random-actions",
+             "--num-episodes", "3", "--seed", "5", "--log-dir", str(tmp_path / "logs")]
+    r = run_entry("gym_eval.py", *flags, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = json.loads((tmp_path / "logs/PongNoFrameskip-v4_random_eval.json").read_text())
+    assert not (tmp_path / "logs/PongNoFrameskip-v4_eval.json").exists()
+    assert a["model"] is None and a["policy"] == "uniform random actions" and a["card"] is None
+    assert a["episodes"] == 3 and a["lengths"] == [148] * 3 and a["protocol"]["time_limit_agent_steps"] == 150
+    assert a["points_lost"]["points"] > 0  # random play gives Pong's points away
+    assert "PongNoFrameskip-v4 (uniform random actions): 3 games, mean" in r.stdout
+    b_json = tmp_path / "b.json"
+    r = run_entry("gym_eval.py", *flags, "--workers", "2", "--json", str(b_json), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    b = json.loads(b_json.read_text())
+    assert (b["scores"], b["points"]) == (a["scores"], a["points"])
+
+
+def test_random_actions_are_seeded_per_game_whoever_plays_it(monkeypatch):
+    """play_games hands game i a policy seeded with --seed + i: game 1's actions are the same played after game 0
+    in one process or alone in another, and game 0's differ from game 1's."""
+    import argparse
+    import queue
+
+    import gym_eval
+    import player_util
+
+    def first_actions(model, env, device, *, seed, **_):
+        x, state = torch.zeros(1, 1, 80, 80), model.initial_state(1)
+        return float(sum(int(model(x, state)[1].argmax(1)) * 6 ** k for k in range(20))), 20, True
+
+    monkeypatch.setattr(player_util, "play_game", first_actions)
+    args = argparse.Namespace(env_config=str(ROOT / "config.json"), env="PongNoFrameskip-v4", random_actions=True,
+                              seed=5, render=False, record=None, trace=None, render_freq=1, max_episode_length=100,
+                              skip_rate=4, hidden_size=32)
+
+    def played(games):
+        q = queue.Queue()
+        gym_eval.play_games(args, None, games, torch.device("cpu"), q)
+        return {i: score for i, score, *_ in q.queue}
+
+    together, alone = played([0, 1]), played([1])
+    assert together[1] == alone[1] and together[0] != together[1]
+
+
+def test_the_random_policy_is_uniform_and_seeded():
+    from gym_eval import UniformRandomPolicy
+
+    x = torch.zeros(1, 1, 80, 80)
+
+    def actions(seed, n=6000):
+        policy = UniformRandomPolicy(6, seed)
+        state = policy.initial_state(1)
+        return [int(policy(x, state)[1].argmax(1)) for _ in range(n)]
+
+    a = actions(3)
+    counts = torch.bincount(torch.tensor(a), minlength=6)
+    assert counts.sum() == 6000 and all(850 <= c <= 1150 for c in counts.tolist()), counts  # 1000 each, sd ~29
+    assert actions(3) == a and actions(4) != a
+
+
 def bad_eval(tmp_path, *args, env_extra=None):
     r = run_entry("gym_eval.py", "--log-dir", str(tmp_path / "logs"), *args, cwd=tmp_path, env_extra=env_extra,
                   timeout=120)
@@ -200,6 +265,11 @@ def test_bad_inputs(tmp_path, model_dir):
     assert "--trace '" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--trace",
                                    str(tmp_path / "afile"))
     assert (tmp_path / "afile").read_text() == "x"
+    assert "--random-actions plays without a model: drop --model-file" in bad_eval(
+        tmp_path, *SHORT, "--random-actions", "--model-file", str(model_dir / "PongNoFrameskip-v4.dat"))
+    assert "drop --trace or --random-actions" in bad_eval(tmp_path, *SHORT, "--random-actions", "--trace",
+                                                          str(tmp_path / "traces"))
+    assert not (tmp_path / "traces").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
