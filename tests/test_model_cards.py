@@ -1,8 +1,9 @@
 """Model cards: every model file in trained_models/ has a card (``<stem>.json`` beside it) and every card a model
 file; each card holds the required fields, describes the very file (sha256, size), and its figures are those of the
-JSONs and CSVs it cites in results/. ``card_problems`` can be pointed at any folder, so each kind of error is also
-made on purpose in a copy under tmp_path and must be reported. Last, gym_eval.py prints the card's claim beside
-one game of the shipped model.
+JSONs and CSVs it cites in results/, and its chance levels (optional ``chance``) those of ``gym_eval.py
+--random-actions`` JSONs on the protocols it was evaluated on. ``card_problems`` can be pointed at any folder, so
+each kind of error is also made on purpose in a copy under tmp_path and must be reported. Last, gym_eval.py prints
+the card's claim beside one game of the shipped model.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ PIECE_FIELDS = ("command", "commit")
 MACHINE_FIELDS = ("cpu", "cores", "precision")
 EVALUATION_FIELDS = ("env", "command", "episodes", "first_seed", "mean", "std", "min", "max", "median", "precision",
                      "protocol", "source")
+CHANCE_FIELDS = ("env", "episodes", "first_seed", "mean", "std", "min", "max", "median", "source")
 # a card's evaluation field -> the key of gym_eval.py's JSON summary that it must equal
 FROM_SUMMARY = {"env": "env", "episodes": "episodes", "first_seed": "seed", "mean": "mean", "std": "std",
                 "min": "min", "max": "max", "median": "median", "protocol": "protocol"}
@@ -55,6 +57,8 @@ def _field_problems(card: dict, name: str) -> list[str]:
     found += _missing(machine, MACHINE_FIELDS, f"{name} machine")
     for i, e in enumerate(card.get("evaluations") or []):
         found += _missing(e, EVALUATION_FIELDS, f"{name} evaluation {i + 1}")
+    for i, c in enumerate(card.get("chance") or []):
+        found += _missing(c, CHANCE_FIELDS, f"{name} chance {i + 1}")
     return found
 
 
@@ -112,8 +116,30 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
     if card["env"] not in [e["env"] for e in card["evaluations"]]:
         found.append(f"{name}: no evaluation on the env it was trained on, {card['env']}")
     quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
-    measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"]}
+    measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + card.get("chance", [])}
     return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+
+
+def _chance_problems(card: dict, repo: Path, name: str) -> list[str]:
+    """Each ``chance`` entry (optional: what uniformly random actions score) against the ``gym_eval.py
+    --random-actions`` JSON it cites, played under the protocol of the card's evaluation on that env."""
+    found = []
+    protocols = {e["env"]: e["protocol"] for e in card["evaluations"]}
+    for c in card.get("chance", []):
+        where = f"{name} chance on {c['env']} ({c['source']})"
+        if not _in_results(repo, c["source"]):
+            found.append(f"{where}: the source is not a file in results/")
+            continue
+        summary = json.loads((repo / c["source"]).read_text())
+        if summary.get("policy") != "uniform random actions" or summary.get("model") is not None:
+            found.append(f"{where}: the source is not a gym_eval.py --random-actions evaluation")
+        found += [f"{where}: {k} {c[k]!r}, the source says {summary.get(FROM_SUMMARY[k])!r}"
+                  for k in CHANCE_FIELDS[:-1] if c[k] != summary.get(FROM_SUMMARY[k])]
+        if c["env"] not in protocols:
+            found.append(f"{where}: the card has no evaluation on {c['env']}")
+        elif summary.get("protocol") != protocols[c["env"]]:
+            found.append(f"{where}: played under another protocol than the card's evaluation on {c['env']}")
+    return found
 
 
 def _default_for_problems(card: dict, models_dir: Path, name: str, served: dict[str, str]) -> list[str]:
@@ -166,6 +192,7 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
         problems += _training_problems(card["training"], repo, name)
         problems += _default_for_problems(card, models_dir, name, served)
         problems += _evaluation_problems(card, model, repo, name)
+        problems += _chance_problems(card, repo, name)
     return problems
 
 
@@ -182,7 +209,8 @@ def repo_copy(tmp_path) -> Path:
         if f.suffix == ".json":
             shutil.copy(f, tmp_path / "trained_models" / f.name)
             card = json.loads(f.read_text())
-            for rel in [e["source"] for e in card["evaluations"]] + card["training"]["monitor_csvs"]:
+            cited = card["evaluations"] + card.get("chance", [])
+            for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"]:
                 (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / rel, tmp_path / rel)
         elif f.suffix == MODEL_SUFFIX:
@@ -255,6 +283,38 @@ def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
     src.write_text(json.dumps(dict(summary, model="runs/pong-fixed/models/PongNoFrameskip-v4.dat")))
     assert any("the source evaluated runs/pong-fixed" in p
                for p in card_problems(repo_copy / "trained_models", repo_copy))
+
+
+def test_chance_levels_are_checked_against_random_action_evaluations(repo_copy):
+    """A card's ``chance`` must cite a --random-actions JSON of results/ with its figures, on a protocol the card
+    evaluated the model on; its quoted figures may then appear in the limitations."""
+    models = repo_copy / "trained_models"
+    default = json.loads((repo_copy / "results" / "pong_eval_default.json").read_text())
+    scores = [-21.0, -20.0, -21.0, -19.0]
+    random_run = dict(default, model=None, policy="uniform random actions", episodes=4, scores=scores,
+                      mean=-20.25, std=0.82915619758885, min=-21.0, max=-19.0, median=-20.5, card=None)
+    (repo_copy / "results" / "pong_random.json").write_text(json.dumps(random_run))
+    entry = {"env": "PongNoFrameskip-v4", "episodes": 4, "first_seed": default["seed"], "mean": -20.25,
+             "std": 0.82915619758885, "min": -21.0, "max": -19.0, "median": -20.5, "source": "results/pong_random.json"}
+    _edit_card(repo_copy, lambda c: c.update(chance=[entry], limitations=c["limitations"] + " Chance: -20.25 ± 0.83."))
+    assert card_problems(models, repo_copy) == []
+    cases = [(dict(entry, mean=-20.0), "chance on PongNoFrameskip-v4 (results/pong_random.json): mean -20.0, "
+                                       "the source says -20.25"),
+             (dict(entry, source="results/pong_eval_default.json", mean=default["mean"], std=default["std"],
+                   episodes=default["episodes"], min=default["min"], max=default["max"], median=default["median"]),
+              "is not a gym_eval.py --random-actions evaluation"),
+             (dict(entry, env="PongNoFrameskip-v0"), "env 'PongNoFrameskip-v0', the source says"),
+             (dict(entry, max=-18.0), "max -18.0, the source says -19.0"),
+             (dict(entry, source="logs/pong_random.json"), "the source is not a file in results/"),
+             ({k: v for k, v in entry.items() if k != "std"}, "chance 1: no 'std'")]
+    for broken, expected in cases:
+        _edit_card(repo_copy, lambda c: c.update(chance=[broken]))
+        problems = card_problems(models, repo_copy)
+        assert any(expected in p for p in problems), (expected, problems)
+    (repo_copy / "results" / "pong_random.json").write_text(
+        json.dumps(dict(random_run, protocol=dict(default["protocol"], time_limit_agent_steps=300))))
+    _edit_card(repo_copy, lambda c: c.update(chance=[entry]))
+    assert any("played under another protocol" in p for p in card_problems(models, repo_copy))
 
 
 def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_copy):
