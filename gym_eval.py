@@ -15,6 +15,8 @@ Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a
 mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
 every file in trained_models/ has), a ``card:`` line with the card's evaluation on this env next to this run's;
 a JSON summary (``--json``, by default ``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``).
+With ``--random-actions`` every default name gets ``_random`` (``<env>_random_mon_log``,
+``<env>_random_eval.json``, ``<env>_random_game000.mp4``), so chance never lands in a model's files.
 
 Exit codes: 0 done; 2 bad input; 130 Ctrl-C.
 """
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16, or auto (bf16 where native) (default: %(default)s)")
     p.add_argument("--random-actions", action="store_true",
                    help="play uniformly random actions instead of a model, under the same protocol: the chance "
-                        "level a model is compared with (no model file is read)")
+                        "level a model is compared with (no model file is read; default file names get _random)")
     p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json; with "
                                                 "--random-actions <log-dir>/<env>_random_eval.json)")
     return p
@@ -144,6 +146,9 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.random_actions and args.trace:
         errors.append("--trace writes the critic's values and the policy's probabilities, which random actions do "
                       "not have: drop --trace or --random-actions")
+    if args.random_actions and args.precision != "fp32":
+        errors.append(f"--precision {args.precision} sets the model's precision, and --random-actions plays without "
+                      "a model: drop --precision")
     gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
     errors += gpu_errors
     if not gpu_errors:
@@ -216,6 +221,12 @@ class UniformRandomPolicy:
         return torch.zeros(x.shape[0], 1, device=x.device), logits, state
 
 
+def file_stem(args: argparse.Namespace) -> str:
+    """The start of every file name this evaluation writes by default: ``<env>``, or ``<env>_random`` with
+    ``--random-actions``."""
+    return f"{safe_name(args.env)}{'_random' if args.random_actions else ''}"
+
+
 def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[int], device: torch.device,
                results) -> None:
     """Play the games with these indices and put ``(index, score, length, frames_recorded, points)`` on
@@ -241,7 +252,7 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
         recorder = None
         if render and args.record:
             fps = real_time_fps(args)
-            recorder = VideoWriter(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4", fps)
+            recorder = VideoWriter(Path(args.record) / f"{file_stem(args)}_game{i:03d}.mp4", fps)
         try:
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
             points: list = []
@@ -380,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in (args.record, args.trace):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
-    log = setup_logger(f"eval.{safe_name(args.env)}", Path(args.log_dir) / f"{safe_name(args.env)}_mon_log")
+    log = setup_logger(f"eval.{file_stem(args)}", Path(args.log_dir) / f"{file_stem(args)}_mon_log")
     proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
                      episodic_life=False)
     for k, v in sorted(vars(args).items()):
@@ -483,10 +494,9 @@ def main(argv: list[str] | None = None) -> int:
            "precision": None if args.random_actions else args.compute_precision, "card": claim,
            "wall_seconds": wall}
     if args.record:
-        out["videos"] = {str(Path(args.record) / f"{safe_name(args.env)}_game{i:03d}.mp4"): frames[i]
+        out["videos"] = {str(Path(args.record) / f"{file_stem(args)}_game{i:03d}.mp4"): frames[i]
                          for i in order if frames[i]}
-    stem = f"{safe_name(args.env)}{'_random' if args.random_actions else ''}_eval.json"
-    json_path = Path(args.json) if args.json else Path(args.log_dir) / stem
+    json_path = Path(args.json) if args.json else Path(args.log_dir) / f"{file_stem(args)}_eval.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"summary written to {json_path}")

@@ -185,7 +185,9 @@ def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
     r = run_entry("gym_eval.py", *flags, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     a = json.loads((tmp_path / "logs/PongNoFrameskip-v4_random_eval.json").read_text())
-    assert not (tmp_path / "logs/PongNoFrameskip-v4_eval.json").exists()
+    assert sorted(f.name for f in (tmp_path / "logs").iterdir()) == ["PongNoFrameskip-v4_random_eval.json",
+                                                                     "PongNoFrameskip-v4_random_mon_log"]
+    assert "policy: uniform random actions" in (tmp_path / "logs/PongNoFrameskip-v4_random_mon_log").read_text()
     assert a["model"] is None and a["policy"] == "uniform random actions" and a["card"] is None
     assert a["episodes"] == 3 and a["lengths"] == [148] * 3 and a["protocol"]["time_limit_agent_steps"] == 150
     assert a["points_lost"]["points"] > 0  # random play gives Pong's points away
@@ -195,6 +197,11 @@ def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     b = json.loads(b_json.read_text())
     assert (b["scores"], b["points"]) == (a["scores"], a["points"])
+    # a recorded random game goes beside, not over, a model's video of the same game
+    r = run_entry("gym_eval.py", *flags[:3], "30", *flags[4:7], "--num-episodes", "1", "--record",
+                  str(tmp_path / "videos"), "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [f.name for f in (tmp_path / "videos").iterdir()] == ["PongNoFrameskip-v4_random_game000.mp4"]
 
 
 def test_random_actions_are_seeded_per_game_whoever_plays_it(monkeypatch):
@@ -267,6 +274,8 @@ def test_bad_inputs(tmp_path, model_dir):
     assert (tmp_path / "afile").read_text() == "x"
     assert "--random-actions plays without a model: drop --model-file" in bad_eval(
         tmp_path, *SHORT, "--random-actions", "--model-file", str(model_dir / "PongNoFrameskip-v4.dat"))
+    assert "plays without a model: drop --precision" in bad_eval(tmp_path, *SHORT, "--random-actions", "--precision",
+                                                                 "bf16")
     assert "drop --trace or --random-actions" in bad_eval(tmp_path, *SHORT, "--random-actions", "--trace",
                                                           str(tmp_path / "traces"))
     assert not (tmp_path / "traces").exists()

@@ -116,16 +116,17 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
     if card["env"] not in [e["env"] for e in card["evaluations"]]:
         found.append(f"{name}: no evaluation on the env it was trained on, {card['env']}")
     quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
-    measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + card.get("chance", [])}
+    measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + (card.get("chance") or [])}
     return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
 
 
 def _chance_problems(card: dict, repo: Path, name: str) -> list[str]:
     """Each ``chance`` entry (optional: what uniformly random actions score) against the ``gym_eval.py
-    --random-actions`` JSON it cites, played under the protocol of the card's evaluation on that env."""
+    --random-actions`` JSON it cites, played under the protocol of the card's evaluation on that env, with its
+    games and seeds; and that evaluation's mean above it."""
     found = []
-    protocols = {e["env"]: e["protocol"] for e in card["evaluations"]}
-    for c in card.get("chance", []):
+    evaluations = {e["env"]: e for e in card["evaluations"]}
+    for c in card.get("chance") or []:
         where = f"{name} chance on {c['env']} ({c['source']})"
         if not _in_results(repo, c["source"]):
             found.append(f"{where}: the source is not a file in results/")
@@ -135,10 +136,19 @@ def _chance_problems(card: dict, repo: Path, name: str) -> list[str]:
             found.append(f"{where}: the source is not a gym_eval.py --random-actions evaluation")
         found += [f"{where}: {k} {c[k]!r}, the source says {summary.get(FROM_SUMMARY[k])!r}"
                   for k in CHANCE_FIELDS[:-1] if c[k] != summary.get(FROM_SUMMARY[k])]
-        if c["env"] not in protocols:
+        if len(summary.get("scores", [])) != c["episodes"]:
+            found.append(f"{where}: {len(summary.get('scores', []))} scores in the source, not {c['episodes']}")
+        e = evaluations.get(c["env"])
+        if e is None:
             found.append(f"{where}: the card has no evaluation on {c['env']}")
-        elif summary.get("protocol") != protocols[c["env"]]:
+            continue
+        if summary.get("protocol") != e["protocol"]:
             found.append(f"{where}: played under another protocol than the card's evaluation on {c['env']}")
+        if (c["episodes"], c["first_seed"]) != (e["episodes"], e["first_seed"]):
+            found.append(f"{where}: {c['episodes']} games from seed {c['first_seed']}, the evaluation played "
+                         f"{e['episodes']} from seed {e['first_seed']}")
+        if e["mean"] <= c["mean"]:
+            found.append(f"{where}: the model's {e['mean']:.2f} is not above chance's {c['mean']:.2f}")
     return found
 
 
@@ -209,7 +219,7 @@ def repo_copy(tmp_path) -> Path:
         if f.suffix == ".json":
             shutil.copy(f, tmp_path / "trained_models" / f.name)
             card = json.loads(f.read_text())
-            cited = card["evaluations"] + card.get("chance", [])
+            cited = card["evaluations"] + (card.get("chance") or [])
             for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"]:
                 (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / rel, tmp_path / rel)
@@ -286,35 +296,57 @@ def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
 
 
 def test_chance_levels_are_checked_against_random_action_evaluations(repo_copy):
-    """A card's ``chance`` must cite a --random-actions JSON of results/ with its figures, on a protocol the card
-    evaluated the model on; its quoted figures may then appear in the limitations."""
+    """A card's ``chance`` must cite a --random-actions JSON of results/ with its figures, played under the
+    protocol, games and seeds of the card's evaluation on that env, below the model's mean; its figures may then
+    be quoted in the limitations."""
     models = repo_copy / "trained_models"
     default = json.loads((repo_copy / "results" / "pong_eval_default.json").read_text())
-    scores = [-21.0, -20.0, -21.0, -19.0]
-    random_run = dict(default, model=None, policy="uniform random actions", episodes=4, scores=scores,
-                      mean=-20.25, std=0.82915619758885, min=-21.0, max=-19.0, median=-20.5, card=None)
-    (repo_copy / "results" / "pong_random.json").write_text(json.dumps(random_run))
-    entry = {"env": "PongNoFrameskip-v4", "episodes": 4, "first_seed": default["seed"], "mean": -20.25,
-             "std": 0.82915619758885, "min": -21.0, "max": -19.0, "median": -20.5, "source": "results/pong_random.json"}
-    _edit_card(repo_copy, lambda c: c.update(chance=[entry], limitations=c["limitations"] + " Chance: -20.25 ± 0.83."))
+    source = repo_copy / "results" / "pong_random.json"
+
+    def random_run(scores, **changes) -> dict:
+        """Writes a --random-actions JSON of these scores; returns the card's entry for it."""
+        run = dict(default, model=None, policy="uniform random actions", episodes=len(scores), scores=scores,
+                   card=None, **summarize(scores))
+        run.update(changes)
+        source.write_text(json.dumps(run))
+        return {"env": run["env"], "episodes": run["episodes"], "first_seed": run["seed"],
+                **{k: run[k] for k in ("mean", "std", "min", "max", "median")}, "source": "results/pong_random.json"}
+
+    from gym_eval import summarize
+
+    chance = [-21.0] * 60 + [-20.0] * 40
+    entry = random_run(chance)
+    assert (entry["mean"], round(entry["std"], 2)) == (-20.6, 0.49)
+    _edit_card(repo_copy, lambda c: c.update(chance=[entry], limitations=c["limitations"] + " Chance: -20.60 ± 0.49."))
     assert card_problems(models, repo_copy) == []
     cases = [(dict(entry, mean=-20.0), "chance on PongNoFrameskip-v4 (results/pong_random.json): mean -20.0, "
-                                       "the source says -20.25"),
-             (dict(entry, source="results/pong_eval_default.json", mean=default["mean"], std=default["std"],
-                   episodes=default["episodes"], min=default["min"], max=default["max"], median=default["median"]),
-              "is not a gym_eval.py --random-actions evaluation"),
+                                       "the source says -20.6"),
+             (dict(entry, max=-19.0), "max -19.0, the source says -20.0"),
              (dict(entry, env="PongNoFrameskip-v0"), "env 'PongNoFrameskip-v0', the source says"),
-             (dict(entry, max=-18.0), "max -18.0, the source says -19.0"),
              (dict(entry, source="logs/pong_random.json"), "the source is not a file in results/"),
-             ({k: v for k, v in entry.items() if k != "std"}, "chance 1: no 'std'")]
+             ({k: v for k, v in entry.items() if k != "std"}, "chance 1: no 'std'"),
+             (dict(entry, source="results/pong_eval_default.json", first_seed=default["seed"],
+                   **{k: default[k] for k in ("episodes", "mean", "std", "min", "max", "median")}),
+              "is not a gym_eval.py --random-actions evaluation")]
     for broken, expected in cases:
         _edit_card(repo_copy, lambda c: c.update(chance=[broken]))
         problems = card_problems(models, repo_copy)
         assert any(expected in p for p in problems), (expected, problems)
-    (repo_copy / "results" / "pong_random.json").write_text(
-        json.dumps(dict(random_run, protocol=dict(default["protocol"], time_limit_agent_steps=300))))
-    _edit_card(repo_copy, lambda c: c.update(chance=[entry]))
-    assert any("played under another protocol" in p for p in card_problems(models, repo_copy))
+    other_protocol = dict(default["protocol"], time_limit_agent_steps=300)
+    written = [(lambda: random_run(chance, protocol=other_protocol), "played under another protocol"),
+               (lambda: random_run(chance, seed=2), "100 games from seed 2, the evaluation played 100 from seed 1"),
+               (lambda: random_run(chance[:99]), "99 games from seed 1, the evaluation played 100 from seed 1"),
+               (lambda: random_run([21.0] * 100), "the model's 21.00 is not above chance's 21.00"),
+               (lambda: dict(random_run(chance[:99]), episodes=100, mean=-20.6, std=entry["std"]),
+                "99 scores in the source, not 100")]
+    for write, expected in written:
+        broken = write()
+        _edit_card(repo_copy, lambda c: c.update(chance=[broken]))
+        problems = card_problems(models, repo_copy)
+        assert any(expected in p for p in problems), (expected, problems)
+    _edit_card(repo_copy, lambda c: c.update(chance=None))
+    assert card_problems(models, repo_copy) == [  # a null chance is no chance: nothing measured -20.60 ± 0.49 then
+        "PongNoFrameskip-v4.json: limitations quote -20.60 ± 0.49, which no evaluation measured"]
 
 
 def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_copy):
