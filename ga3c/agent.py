@@ -184,7 +184,7 @@ class AgentStepper:
             if finished is not None:
                 self.games += 1
                 if self.episodes is not None:
-                    self.episodes.record(self.agent_id, *finished)
+                    self.episodes.record(self.agent_id, *finished, slot=self.runners[i].slot)
         if steps:
             self.steps += steps
             if self.counters is not None:

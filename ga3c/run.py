@@ -13,7 +13,9 @@ global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_
 either mode resumes the other's.
 
 The main process calls ``tick()`` about 5 times a second: it prints GA3C's console line for every finished agent
-game (and appends it to ``<log-dir>/results.txt``) and drives ``--dynamic``.
+game (and appends it to ``<log-dir>/results.txt``) and drives ``--dynamic``. The console line's RScore averages
+over every learner game; where ``--train-envs`` names several ids, the status line also gives each id's mean over
+its last 100 learner games (from the env slot each game was played in).
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ from argparse import Namespace
 from pathlib import Path
 
 import lifeline
+from config import train_env_id
 from ga3c.agent import AtariEnvFactory, agent_process
 from ga3c.buffers import EnvSlots
 from ga3c.dynamic import DynamicAdjuster
 from ga3c.server import ga3c_devices, server_process
-from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter
+from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter, ScoresById
 from model import A3Clstm
 from modes import Mode
 from run_state import Flag, RunState
@@ -65,6 +68,8 @@ class Ga3cRun(Mode):
         self._agent_processes: dict[int, mp.Process] = {}  # the latest process of each index
         self.retired: set[int] = set()  # pids of agents that --dynamic stopped (they exit 0 on purpose)
         self.console = ConsoleStats(time.time(), window=console_window)
+        # --train-envs with several ids: each one's learner games, since the console line averages over all
+        self.scores_by_id = ScoresById() if len(set(getattr(args, "train_envs", None) or ())) > 1 else None
         self.results = None
         self.adjuster = None
         if args.dynamic:
@@ -151,6 +156,8 @@ class Ga3cRun(Mode):
     def tick(self, now: float) -> None:
         for episode in self.episodes.read_new():
             self.console.add(episode)
+            if self.scores_by_id is not None and episode.slot >= 0:
+                self.scores_by_id.add(train_env_id(self.args, episode.slot), episode.score)
             nt, np_, na = (int(v) for v in self.counters.active.tolist())
             self.log.info(self.console.line(now, self.run.global_steps.value, self.counters.version, nt, np_, na))
             if self.results is not None:
@@ -195,6 +202,10 @@ class Ga3cRun(Mode):
                             "losses/policy_loss": f["policy_loss"], "losses/value_loss": f["value_loss"],
                             "losses/entropy": f["entropy"], "losses/grad_norm": f["grad_norm"]})
         line += f" | NT {nt} NP {np_} NA {na}"
+        if self.scores_by_id is not None and self.scores_by_id.recent:
+            line += f" | {self.scores_by_id.text()}"
+            scalars.update({f"charts/learner_score_{env_id.replace('/', '_')}": mean
+                            for env_id, (mean, _) in self.scores_by_id.means().items()})
         return line, scalars
 
     def close(self) -> None:

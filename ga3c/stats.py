@@ -124,11 +124,13 @@ class Ga3cCounters:
 
 
 class Episode(NamedTuple):
-    """A finished game: end time (``time.time()``), unclipped score over all lives, agent steps."""
+    """A finished game: end time (``time.time()``), unclipped score over all lives, agent steps, and the env slot
+    that played it (-1 where the writer did not say)."""
 
     time: float
     score: float
     length: int
+    slot: int = -1
 
 
 class EpisodeLog:
@@ -140,15 +142,15 @@ class EpisodeLog:
     """
 
     def __init__(self, max_agents: int, capacity: int = 64):
-        self.records = torch.zeros(max_agents, capacity, 3, dtype=torch.float64).share_memory_()
+        self.records = torch.zeros(max_agents, capacity, 4, dtype=torch.float64).share_memory_()
         self.counts = torch.zeros(max_agents, dtype=torch.int64).share_memory_()
         self._cursors = [0] * max_agents
         self.lost = 0
 
-    def record(self, agent: int, score: float, length: int, when: float | None = None) -> None:
+    def record(self, agent: int, score: float, length: int, when: float | None = None, slot: int = -1) -> None:
         n = int(self.counts[agent])
         cap = self.records.shape[1]
-        self.records[agent, n % cap] = torch.tensor([time.time() if when is None else when, score, length],
+        self.records[agent, n % cap] = torch.tensor([time.time() if when is None else when, score, length, slot],
                                                     dtype=torch.float64)
         self.counts[agent] = n + 1  # last: the record is complete before it is counted
 
@@ -162,8 +164,8 @@ class EpisodeLog:
                 self.lost += n - start - cap
                 start = n - cap
             for k in range(start, n):
-                t, score, length = self.records[a, k % cap].tolist()
-                out.append(Episode(t, score, int(length)))
+                t, score, length, slot = self.records[a, k % cap].tolist()
+                out.append(Episode(t, score, int(length), int(slot)))
             self._cursors[a] = n
         out.sort(key=lambda e: e.time)
         return out
@@ -173,6 +175,31 @@ class EpisodeLog:
 
     def __setstate__(self, state):
         self.__dict__.update(state, _cursors=[0] * state["counts"].numel(), lost=0)
+
+
+class ScoresById:
+    """The mean score of the last ``window`` learner games of each env id, for runs whose learners play several
+    (``--train-envs``): GA3C's console line averages over all of them. Ids keep the order of their first game."""
+
+    def __init__(self, window: int = 100):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.recent: dict[str, deque[float]] = {}
+
+    def add(self, env_id: str, score: float) -> None:
+        self.recent.setdefault(env_id, deque(maxlen=self.window)).append(float(score))
+
+    def means(self) -> dict[str, tuple[float, int]]:
+        """``{env id: (mean of its last games, how many)}``."""
+        return {env_id: (sum(q) / len(q), len(q)) for env_id, q in self.recent.items()}
+
+    def text(self) -> str:
+        """E.g. ``learner games (last 100 of each): ALE/Pong-v5 17.20, Pong-v0 9.10 (42 games)``; the count is
+        given where fewer than ``window`` were played; empty before the first game."""
+        parts = [f"{env_id} {mean:.2f}" + (f" ({n} game{'s' if n > 1 else ''})" if n < self.window else "")
+                 for env_id, (mean, n) in self.means().items()]
+        return f"learner games (last {self.window} of each): {', '.join(parts)}" if parts else ""
 
 
 def format_stats_line(seconds: float, episode: int, score: float, rscore: float, rpps: float, pps: float,

@@ -6,7 +6,7 @@ from datetime import datetime
 import pytest
 
 from ga3c.settings import Ga3cSettings
-from ga3c.stats import (ConsoleStats, Episode, EpisodeLog, Ga3cCounters, ResultsWriter, format_stats_line,
+from ga3c.stats import (ConsoleStats, Episode, EpisodeLog, Ga3cCounters, ResultsWriter, ScoresById, format_stats_line,
                         results_line)
 
 LINE_RE = re.compile(r"^\[Time: +\d+\] \[Episode: +\d+ Score: +-?\d+\.\d{4}\] \[RScore: +-?\d+\.\d{4} RPPS: +\d+\] "
@@ -102,6 +102,22 @@ def test_episode_log_reads_every_game_once_in_time_order():
     for k in range(5):  # more than the ring holds between two reads: the 2 oldest are lost, and counted
         log.record(0, float(k), k, when=10.0 + k)
     assert [e.score for e in log.read_new()] == [2.0, 3.0, 4.0] and log.lost == 2
+    log.record(1, -3.0, 30, when=20.0, slot=5)  # the env slot that played it comes back with the game
+    assert log.read_new() == [Episode(20.0, -3.0, 30, 5)]
+
+
+def test_scores_by_id_average_each_ids_last_games():
+    by_id = ScoresById(window=3)
+    assert by_id.means() == {} and by_id.text() == ""
+    for env_id, score in [("Pong-v0", -21), ("ALE/Pong-v5", 10), ("Pong-v0", -19), ("Pong-v0", 5), ("Pong-v0", 8)]:
+        by_id.add(env_id, score)
+    # Pong-v0's last 3: -19, 5, 8 -> -2.0 (its first game, -21, left the window); ALE/Pong-v5: one game, 10
+    assert by_id.means() == {"Pong-v0": (-2.0, 3), "ALE/Pong-v5": (10.0, 1)}
+    assert by_id.text() == "learner games (last 3 of each): Pong-v0 -2.00, ALE/Pong-v5 10.00 (1 game)"
+    by_id.add("ALE/Pong-v5", 11)
+    assert by_id.text().endswith("ALE/Pong-v5 10.50 (2 games)")
+    with pytest.raises(ValueError):
+        ScoresById(window=0)
 
 
 def test_settings_from_args_and_problems():

@@ -136,6 +136,59 @@ def test_ga3c_agents_get_a_factory_that_builds_each_slot_from_its_id(tmp_path, m
         run.release()
 
 
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, line):
+        self.lines.append(line)
+
+
+class _FinishingRunner:
+    """Stands in for an agent's env runner whose answer has arrived and whose game ends with ``score``."""
+
+    def __init__(self, slot, score):
+        self.slot, self.seq, self.score = slot, 1, score
+
+    def on_response(self):
+        return 1, (self.score, 100)
+
+
+@pytest.mark.parametrize("train_envs", [["PongNoFrameskip-v4", "ALE/Pong-v5"], None,
+                                        ["PongNoFrameskip-v4", "PongNoFrameskip-v4"]])
+def test_the_status_line_gives_each_ids_learner_games(tmp_path, train_envs):
+    """The run's own pieces: an ``AgentStepper`` records each finished game with its env slot in the run's
+    ``EpisodeLog``, ``tick`` attributes it to the slot's id, and ``status`` prints each id's mean (and TensorBoard
+    gets it). Slots 0 and 2 play the first id, 1 and 3 the second. With one id (or none) nothing is added."""
+    from ga3c.agent import AgentStepper
+    args, errors = parse(tmp_path, "--agents", "2", "--envs-per-agent", "2", "--hidden-size", "32",
+                         *(["--train-envs", *train_envs] if train_envs else []))
+    assert errors == []
+    shared = A3Clstm(1, 6, 32)
+    shared.share_memory()
+    run = Ga3cRun(args, shared, None, log=_Log())
+    try:
+        scores = {0: 3.0, 1: -20.0, 2: 5.0, 3: -18.0}
+        for agent in (0, 1):
+            runners = [_FinishingRunner(s, scores[s]) for s in (2 * agent, 2 * agent + 1)]
+            for r in runners:
+                run.buffers.resp_seq[r.slot] = r.seq
+            stepper = AgentStepper(agent, runners, run.buffers, run.counters, run.episodes)
+            assert stepper.poll() == 2
+        run.tick(time.time())
+        assert len(run.log.lines) == 4  # upstream's console line, one per game, unchanged
+        line, scalars = run.status(100.0, 1.0)
+        if train_envs is None or len(set(train_envs)) == 1:
+            assert "learner games" not in line and not any("learner_score" in k for k in scalars)
+        else:
+            assert line.endswith(" | learner games (last 100 of each): PongNoFrameskip-v4 4.00 (2 games), "
+                                 "ALE/Pong-v5 -19.00 (2 games)"), line
+            assert scalars["charts/learner_score_PongNoFrameskip-v4"] == 4.0
+            assert scalars["charts/learner_score_ALE_Pong-v5"] == -19.0
+    finally:
+        run.release()
+
+
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_an_a3g_worker_plays_the_id_of_its_rank(tmp_path, monkeypatch, rank):
     """``train.run_worker`` as a worker process runs it, one update: the env it builds and steps is MIX[rank]."""
