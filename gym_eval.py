@@ -50,7 +50,7 @@ from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
 import precision
 from precision import PRECISIONS
-from utils import format_duration, keep_freed_memory, safe_name, setup_logger, use_device, worker_device
+from utils import compact_json, format_duration, keep_freed_memory, safe_name, setup_logger, use_device, worker_device
 
 PROG = "gym_eval.py"
 
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                          for i in order if frames[i]}
     json_path = Path(args.json) if args.json else Path(args.log_dir) / f"{file_stem(args)}_eval.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(out, indent=2) + "\n")
+    json_path.write_text(compact_json(out) + "\n")
     print(f"summary written to {json_path}")
     if args.record:
         print(f"{len(out['videos'])} video(s) written to {Path(args.record).resolve()}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -15,6 +16,21 @@ import torch
 def safe_name(env_id: str) -> str:
     """An env id as a file name (``ALE/Pong-v5`` -> ``ALE_Pong-v5``)."""
     return env_id.replace("/", "_")
+
+
+def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
+    """JSON as ``json.dumps(obj, indent=indent)`` writes it, except that a list holding no list or dict is written
+    on one line (an evaluation's 100 scores: one line, not 100). ``json.loads`` gives back what ``json.dumps``
+    would. Dict keys must be strings."""
+    pad, inner = " " * (indent * _level), " " * (indent * (_level + 1))
+    if isinstance(obj, dict) and obj:
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("compact_json: dict keys must be strings")
+        items = (f"{inner}{json.dumps(k)}: {compact_json(v, indent, _level + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        return "[\n" + ",\n".join(inner + compact_json(v, indent, _level + 1) for v in obj) + "\n" + pad + "]"
+    return json.dumps(obj)
 
 
 def setup_logger(name: str, path: Path | None = None, *, console: bool = False, fmt: str = "%(asctime)s : %(message)s",

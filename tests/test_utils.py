@@ -1,4 +1,5 @@
 """Process-level helpers in utils.py."""
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +74,42 @@ def test_use_device_makes_float32_work_on_cuda_run_in_float32():
         assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_compact_json_writes_flat_lists_on_one_line_and_loads_back_the_same():
+    from utils import compact_json
+    obj = {"scores": [21.0, -3.5, None], "points": [[1, 2], []], "protocol": {"frameskip": [2, 5], "sticky": 0.25},
+           "games": [{"seed": 1}], "empty": {}, "name": "ALE/Pong-v5", "ok": True}
+    assert compact_json(obj) == (
+        '{\n'
+        '  "scores": [21.0, -3.5, null],\n'
+        '  "points": [\n'
+        '    [1, 2],\n'
+        '    []\n'
+        '  ],\n'
+        '  "protocol": {\n'
+        '    "frameskip": [2, 5],\n'
+        '    "sticky": 0.25\n'
+        '  },\n'
+        '  "games": [\n'
+        '    {\n'
+        '      "seed": 1\n'
+        '    }\n'
+        '  ],\n'
+        '  "empty": {},\n'
+        '  "name": "ALE/Pong-v5",\n'
+        '  "ok": true\n'
+        '}')
+    assert json.loads(compact_json(obj)) == json.loads(json.dumps(obj))
+    with pytest.raises(TypeError):
+        compact_json({1: "a key that is not a string"})
+
+
+def test_every_evaluation_json_reads_the_same_written_compactly():
+    """The format gym_eval.py writes, on every evaluation kept in results/: it loads back identical."""
+    from utils import compact_json
+    paths = sorted((Path(__file__).resolve().parents[1] / "results").glob("*eval*.json"))
+    assert len(paths) >= 40
+    for path in paths:
+        data = json.loads(path.read_text())
+        assert data and json.loads(compact_json(data)) == data, path.name
