@@ -64,6 +64,23 @@ def test_sticky_actions_env_with_model_file(tmp_path, model_dir):
     assert s["model"].endswith("PongNoFrameskip-v4.dat")
 
 
+def test_a_float16_file_plays_as_its_values_in_float32(tmp_path, model_dir):
+    """A model stored in float16 (half the bytes) is evaluated as the float32 model of the same values: the same
+    games, points and, step by step, the same policy and critic (the traces)."""
+    sd = torch.load(model_dir / "PongNoFrameskip-v4.dat", weights_only=True)
+    half_dir, as32_dir = tmp_path / "half", tmp_path / "as32"
+    half_dir.mkdir()
+    as32_dir.mkdir()
+    torch.save(OrderedDict((k, v.half()) for k, v in sd.items()), half_dir / "PongNoFrameskip-v4.dat")
+    torch.save(OrderedDict((k, v.half().float()) for k, v in sd.items()), as32_dir / "PongNoFrameskip-v4.dat")
+    runs = []
+    for d in (half_dir, as32_dir):
+        s, _ = evaluate(tmp_path, d, d.name, "--num-episodes", "2", "--seed", "3", "--trace", str(tmp_path / d.name / "tr"))
+        runs.append((s["scores"], s["lengths"], s["points"],
+                     [(tmp_path / d.name / "tr" / f"PongNoFrameskip-v4_game{i:03d}.csv").read_text() for i in range(2)]))
+    assert runs[0] == runs[1] and len(runs[0][3][0].splitlines()) > 2
+
+
 def test_trace_writes_every_policy_step_of_every_game(tmp_path, model_dir):
     import csv
     trace_dir = tmp_path / "trace"

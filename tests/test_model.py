@@ -102,6 +102,22 @@ def test_upstream_file_loads_strictly(tmp_path, legacy):
         assert torch.equal(v, sd[k])
 
 
+def test_a_float16_file_loads_into_the_float32_model_with_upstreams_code(tmp_path):
+    """A model stored in half the bytes: upstream's ``torch.load`` + ``load_state_dict`` (and ours) copy the
+    float16 values into the float32 weights exactly; the model stays float32."""
+    path, sd = upstream_file(tmp_path, False)
+    half = OrderedDict((k, v.half()) for k, v in sd.items())
+    torch.save(half, path)
+    m = A3Clstm(1, 6)
+    m.load_state_dict(torch.load(path, map_location=lambda storage, loc: storage), strict=True)  # upstream's
+    loaded = state_dict_of(read_weights(path), path)
+    check_state_dict(loaded, 6, 512, path, "PongNoFrameskip-v4")
+    ours = A3Clstm(1, 6)
+    ours.load_state_dict(loaded, strict=True)
+    for k, v in m.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, half[k].float()) and torch.equal(ours.state_dict()[k], v)
+
+
 def test_mismatched_file_names_key_and_shapes(tmp_path):
     path, _ = upstream_file(tmp_path, False, actions=4)
     sd = state_dict_of(read_weights(path), path)
