@@ -236,7 +236,8 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
 
 def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | Path, env_id: str) -> None:
     """Raise ``ModelFileError`` unless ``sd`` has exactly the 16 keys with the shapes this env and
-    ``--hidden-size`` need; the message names the key and both shapes."""
+    ``--hidden-size`` need (the message names the key and both shapes), as floating-point tensors (float32, or
+    float16 / bfloat16 where a file is stored in fewer bytes: ``load_state_dict`` copies them into float32)."""
     want = expected_shapes(num_actions, hidden_size)
     missing = [k for k in want if k not in sd]
     extra = [k for k in sd if k not in want]
@@ -247,6 +248,10 @@ def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | P
         if extra:
             parts.append(f"unexpected {', '.join(extra[:4])}{'...' if len(extra) > 4 else ''}")
         raise ModelFileError(f"model file {path} is not an A3Clstm state_dict: {'; '.join(parts)}")
+    not_float = [k for k in want if not sd[k].is_floating_point()]
+    if not_float:
+        raise ModelFileError(f"model file {path} holds {sd[not_float[0]].dtype} tensors ({', '.join(not_float[:4])}"
+                             f"{'...' if len(not_float) > 4 else ''}), not floating-point weights: it is not a model")
     for key, shape in want.items():
         got = tuple(sd[key].shape)
         if got != shape:

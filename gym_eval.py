@@ -14,7 +14,9 @@ scores under exactly this protocol.
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
 mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
 every file in trained_models/ has), a ``card:`` line with the card's evaluation on this env next to this run's;
-a JSON summary (``--json``, by default ``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``).
+a JSON summary (``--json``, by default ``<log-dir>/<env>_eval.json``; ``--log-dir`` defaults to ``logs/<env>``),
+with ``model_sha256``, the sha256 of the model file played (read twice around the load: a file that changed in
+between is refused).
 With ``--random-actions`` every default name gets ``_random`` (``<env>_random_mon_log``,
 ``<env>_random_eval.json``, ``<env>_random_game000.mp4``), so chance never lands in a model's files.
 
@@ -324,6 +326,15 @@ def points_line(lost: dict, n: int) -> str:
     return line
 
 
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of the file at ``path`` (None where it cannot be read: ``read_weights`` says why)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
 def card_claim(model: Path, env_id: str) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
 
@@ -365,14 +376,19 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     errors = validate(args)
-    state_dict = None
+    state_dict, model_sha256 = None, None
     path = resolve_model_file(args)
     if not errors and not args.random_actions:
         try:
             n_actions = num_actions(args.env)
+            before = file_sha256(path)
             obj = read_weights(path)
             state_dict = state_dict_of(obj, path)
             check_state_dict(state_dict, n_actions, args.hidden_size, path, args.env)
+            model_sha256 = file_sha256(path)
+            if model_sha256 != before:
+                raise ModelFileError(f"model file {path} changed while it was read: evaluate it once nothing "
+                                     "writes it")
         except ModelFileError as e:
             msg = str(e)
             if "does not exist" in msg:
@@ -486,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             claim["line"] = f"card: {claim['path']} is malformed ({e!r}): not compared"
         log.info(claim["line"])
         print(claim["line"], flush=True)
-    out = {"env": args.env, "model": None if args.random_actions else str(path),
+    out = {"env": args.env, "model": None if args.random_actions else str(path), "model_sha256": model_sha256,
            "policy": "uniform random actions" if args.random_actions else "greedy (argmax)", "episodes": n, **s,
            "scores": score_list,
            "lengths": [lengths[i] for i in order], "points": point_list, "points_lost": lost,

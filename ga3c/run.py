@@ -25,7 +25,6 @@ from argparse import Namespace
 from pathlib import Path
 
 import lifeline
-from config import train_env_id
 from ga3c.agent import AtariEnvFactory, agent_process
 from ga3c.buffers import EnvSlots
 from ga3c.dynamic import DynamicAdjuster
@@ -70,6 +69,7 @@ class Ga3cRun(Mode):
         self.console = ConsoleStats(time.time(), window=console_window)
         # --train-envs with several ids: each one's learner games, since the console line averages over all
         self.scores_by_id = ScoresById() if len(set(getattr(args, "train_envs", None) or ())) > 1 else None
+        self._slot_env = AtariEnvFactory.for_args(args)  # what each slot plays: the factory the agents get
         self.results = None
         self.adjuster = None
         if args.dynamic:
@@ -157,7 +157,7 @@ class Ga3cRun(Mode):
         for episode in self.episodes.read_new():
             self.console.add(episode)
             if self.scores_by_id is not None and episode.slot >= 0:
-                self.scores_by_id.add(train_env_id(self.args, episode.slot), episode.score)
+                self.scores_by_id.add(self._slot_env.env_id_of(episode.slot), episode.score)
             nt, np_, na = (int(v) for v in self.counters.active.tolist())
             self.log.info(self.console.line(now, self.run.global_steps.value, self.counters.version, nt, np_, na))
             if self.results is not None:

@@ -7,8 +7,8 @@ Like ``run_state``, everything shared is a tensor in shared memory with one writ
   agent step is counted once by the process that took it (upstream GA3C summed episode lengths that were
   over-counted by about 20%, which inflated its PPS). The sum of the update slots is the model *version* that
   predictors stamp on every action, so a trainer can measure the policy lag.
-- ``EpisodeLog``: per agent process a ring of finished games (end time, unclipped score, length); the process
-  that prints reads every agent's new entries by count, so nothing blocks and nothing is pickled.
+- ``EpisodeLog``: per agent process a ring of finished games (end time, unclipped score, length, env slot); the
+  process that prints reads every agent's new entries by count, so nothing blocks and nothing is pickled.
 - ``ConsoleStats``: GA3C's per-episode line
   ``[Time: %8d] [Episode: %8d Score: %10.4f] [RScore: %10.4f RPPS: %5d] [PPS: %5d TPS: %5d] [NT: %2d NP: %2d NA: %2d]``
   with RScore and RPPS over the last ``window`` games (1000 upstream), PPS (agent steps) and TPS (updates) per
@@ -134,7 +134,8 @@ class Episode(NamedTuple):
 
 
 class EpisodeLog:
-    """Per agent process, a ring of its last ``capacity`` games and how many it has finished (one writer each).
+    """Per agent process, a ring of its last ``capacity`` games (``Episode``: end time, score, length, env slot) and
+    how many it has finished (one writer each).
 
     ``read_new()`` (in the one process that reports) returns every game finished since its last call, oldest
     first; a reader that fell more than ``capacity`` games behind on an agent skips the lost ones and counts them

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ def test_summary_json_and_determinism_across_workers(tmp_path, model_dir):
     assert set(a) >= {"env", "model", "episodes", "mean", "std", "min", "max", "median", "scores", "lengths",
                       "seed", "protocol"}
     assert a["episodes"] == 3 and len(a["scores"]) == len(a["lengths"]) == 3 and a["seed"] == 5
+    import hashlib
+    assert a["model_sha256"] == hashlib.sha256((model_dir / "PongNoFrameskip-v4.dat").read_bytes()).hexdigest()
     assert all(isinstance(x, float) for x in a["scores"]) and all(isinstance(x, int) for x in a["lengths"])
     assert len(a["points"]) == 3 and any(a["points"])  # each game's [agent step, reward] of every point
     for game, score, length in zip(a["points"], a["scores"], a["lengths"]):
@@ -205,7 +208,8 @@ def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
     assert sorted(f.name for f in (tmp_path / "logs").iterdir()) == ["PongNoFrameskip-v4_random_eval.json",
                                                                      "PongNoFrameskip-v4_random_mon_log"]
     assert "policy: uniform random actions" in (tmp_path / "logs/PongNoFrameskip-v4_random_mon_log").read_text()
-    assert a["model"] is None and a["policy"] == "uniform random actions" and a["card"] is None
+    assert a["model"] is None and a["model_sha256"] is None and a["policy"] == "uniform random actions"
+    assert a["card"] is None
     assert a["episodes"] == 3 and a["lengths"] == [148] * 3 and a["protocol"]["time_limit_agent_steps"] == 150
     assert a["points_lost"]["points"] > 0  # random play gives Pong's points away
     assert "PongNoFrameskip-v4 (uniform random actions): 3 games, mean" in r.stdout
@@ -272,6 +276,25 @@ def bad_eval(tmp_path, *args, env_extra=None):
     assert len(lines) == 1 and lines[0].startswith("gym_eval.py: error: ") and "Traceback" not in r.stderr
     assert not (tmp_path / "logs").exists()
     return lines[0]
+
+
+def test_a_model_file_replaced_while_it_is_read_is_refused(tmp_path, model_dir, monkeypatch, capsys):
+    """The sha256 in the JSON is of the file played: one that changes between the digest and the load is refused
+    in one line, before any game."""
+    import gym_eval
+    read = gym_eval.read_weights
+
+    def read_then_replace(path):
+        obj = read(path)
+        Path(path).write_bytes(Path(path).read_bytes() + b"x")  # another process writes the file meanwhile
+        return obj
+
+    monkeypatch.setattr(gym_eval, "read_weights", read_then_replace)
+    code = gym_eval.main([*SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                          "--num-episodes", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "changed while it was read" in err
+    assert not (tmp_path / "logs").exists()
 
 
 def test_bad_inputs(tmp_path, model_dir):

@@ -118,6 +118,14 @@ def test_a_float16_file_loads_into_the_float32_model_with_upstreams_code(tmp_pat
         assert v.dtype == torch.float32 and torch.equal(v, half[k].float()) and torch.equal(ours.state_dict()[k], v)
 
 
+def test_a_file_of_integer_tensors_is_refused(tmp_path):
+    path, sd = upstream_file(tmp_path, False)
+    sd["conv1.weight"] = sd["conv1.weight"].to(torch.int64)
+    torch.save(sd, path)
+    with pytest.raises(ModelFileError, match=r"holds torch.int64 tensors \(conv1.weight\), not floating-point"):
+        check_state_dict(state_dict_of(read_weights(path), path), 6, 512, path, "PongNoFrameskip-v4")
+
+
 def test_mismatched_file_names_key_and_shapes(tmp_path):
     path, _ = upstream_file(tmp_path, False, actions=4)
     sd = state_dict_of(read_weights(path), path)

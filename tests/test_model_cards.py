@@ -20,7 +20,11 @@ from checkpoint import model_path
 from conftest import ROOT
 
 MODEL_SUFFIX = ".dat"  # what trained_models/ ships (upstream's format); .ckpt and temporary files are gitignored
-CARD_FIELDS = ("model_file", "sha256", "bytes", "env", "training", "machine", "evaluations", "limitations")
+CARD_FIELDS = ("model_file", "sha256", "bytes", "format", "env", "training", "machine", "evaluations", "limitations")
+# what a card's "format" says of the file: "16 float16 tensors (A3Clstm, hidden size 512, 6 actions)"
+FORMAT = re.compile(r"(\d+) (float16|float32) tensors \(A3Clstm, hidden size (\d+), (\d+) actions\)")
+# a figure quoted from another JSON of results/: "449.30 ± 154.05 on SpaceInvadersNoFrameskip-v0 (results/x.json)"
+CITED = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d) on (\S+) \((results/[^)]+\.json)\)")
 TRAINING_FIELDS = ("pieces", "global_steps", "wall_time_s", "monitor_csvs")
 PIECE_FIELDS = ("command", "commit")
 MACHINE_FIELDS = ("cpu", "cores", "precision")
@@ -107,6 +111,9 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
             found.append(f"{where}: precision {e['precision']}, the source's is {summary.get('precision', 'fp32')}")
         if summary.get("model") != model_rel:
             found.append(f"{where}: the source evaluated {summary.get('model')}, not {model_rel}")
+        # gym_eval.py writes the played file's sha256 since model_sha256 came in; where it is there, it is the card's
+        if "model_sha256" in summary and summary["model_sha256"] != card["sha256"]:
+            found.append(f"{where}: the source played a file of sha256 {summary['model_sha256']}, not the card's")
         if e["episodes"] < 100:
             found.append(f"{where}: {e['episodes']} games, a card's evaluations have at least 100")
         sticky.add(e["protocol"].get("repeat_action_probability", 0) > 0)
@@ -118,6 +125,35 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
     quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
     measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + (card.get("chance") or [])}
     return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+
+
+def _format_problems(card: dict, model: Path, name: str) -> list[str]:
+    """The card's ``format`` against the file: how many tensors, of which dtype, the hidden size and the actions."""
+    import torch
+    m = FORMAT.search(card["format"])
+    if m is None:
+        return [f"{name}: format does not say '<n> float16|float32 tensors (A3Clstm, hidden size <h>, <a> actions)'"]
+    sd = torch.load(model, map_location="cpu", weights_only=True)
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in sd.values()})
+    found = (len(sd), dtypes, sd["lstm.weight_hh"].shape[1], sd["actor_linear.weight"].shape[0])
+    said = (int(m[1]), [m[2]], int(m[3]), int(m[4]))
+    return [] if found == said else [f"{name}: format says {said} (tensors, dtypes, hidden size, actions), the file "
+                                     f"has {found}"]
+
+
+def _storage_problems(card: dict, repo: Path, name: str) -> list[str]:
+    """``storage_note`` (optional: how the file was stored, and what the weights scored before): each figure it
+    quotes as ``mean ± std on ENV (results/X.json)`` is that JSON's, on that env."""
+    found = []
+    for mean, std, env, source in CITED.findall(card.get("storage_note", "")):
+        if not _in_results(repo, source):
+            found.append(f"{name} storage_note: {source} is not a file in results/")
+            continue
+        s = json.loads((repo / source).read_text())
+        if (f"{s['mean']:.2f}", f"{s['std']:.2f}", s["env"]) != (mean, std, env):
+            found.append(f"{name} storage_note: {mean} ± {std} on {env}, {source} says {s['mean']:.2f} ± "
+                         f"{s['std']:.2f} on {s['env']}")
+    return found
 
 
 def _chance_problems(card: dict, repo: Path, name: str) -> list[str]:
@@ -199,10 +235,12 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
                 problems.append(f"{name}: sha256 {card['sha256']} is not {model.name}'s ({digest})")
             if card["bytes"] != model.stat().st_size:
                 problems.append(f"{name}: bytes {card['bytes']}, the file has {model.stat().st_size}")
+            problems += _format_problems(card, model, name)
         problems += _training_problems(card["training"], repo, name)
         problems += _default_for_problems(card, models_dir, name, served)
         problems += _evaluation_problems(card, model, repo, name)
         problems += _chance_problems(card, repo, name)
+        problems += _storage_problems(card, repo, name)
     return problems
 
 
@@ -220,7 +258,8 @@ def repo_copy(tmp_path) -> Path:
             shutil.copy(f, tmp_path / "trained_models" / f.name)
             card = json.loads(f.read_text())
             cited = card["evaluations"] + (card.get("chance") or [])
-            for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"]:
+            stored = [source for *_, source in CITED.findall(card.get("storage_note", ""))]
+            for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"] + stored:
                 (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / rel, tmp_path / rel)
         elif f.suffix == MODEL_SUFFIX:
@@ -272,6 +311,15 @@ BREAKAGES = {
                               "are not files in results/"),
     "a quoted figure": (lambda c: c.update(limitations=c["limitations"] + " Sticky: 1.67 ± 11.06."),
                         "limitations quote 1.67 ± 11.06"),
+    "the format's dtype": (lambda c: c.update(format=c["format"].replace("float32", "float16")),
+                           "format says (16, ['float16'], 512, 6)"),
+    "the format's actions": (lambda c: c.update(format=c["format"].replace("6 actions", "4 actions")),
+                             "format says (16, ['float32'], 512, 4)"),
+    "a format in other words": (lambda c: c.update(format="a model"), "format does not say"),
+    "a figure the storage note cites": (
+        lambda c: c.update(storage_note="Before: 20.00 ± 0.00 on PongNoFrameskip-v4 "
+                                        "(results/pong_eval_default.json)."),
+        "storage_note: 20.00 ± 0.00 on PongNoFrameskip-v4, results/pong_eval_default.json says 21.00 ± 0.00"),
 }
 
 
@@ -292,6 +340,9 @@ def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
     assert any("mean 21.0, the source says 20.5" in p for p in card_problems(repo_copy / "trained_models", repo_copy))
     src.write_text(json.dumps(dict(summary, model="runs/pong-fixed/models/PongNoFrameskip-v4.dat")))
     assert any("the source evaluated runs/pong-fixed" in p
+               for p in card_problems(repo_copy / "trained_models", repo_copy))
+    src.write_text(json.dumps(dict(summary, model_sha256="0" * 64)))  # the same path, another file played
+    assert any("the source played a file of sha256 0000" in p
                for p in card_problems(repo_copy / "trained_models", repo_copy))
 
 

@@ -106,10 +106,11 @@ def test_compact_json_writes_flat_lists_on_one_line_and_loads_back_the_same():
 
 
 def test_every_evaluation_json_reads_the_same_written_compactly():
-    """The format gym_eval.py writes, on every evaluation kept in results/: it loads back identical."""
+    """Every evaluation kept in results/ is in the format gym_eval.py writes, and that format loads back the data."""
     from utils import compact_json
     paths = sorted((Path(__file__).resolve().parents[1] / "results").glob("*eval*.json"))
     assert len(paths) >= 40
     for path in paths:
         data = json.loads(path.read_text())
         assert data and json.loads(compact_json(data)) == data, path.name
+        assert path.read_text() == compact_json(data) + "\n", f"{path.name} is not in gym_eval.py's format"
