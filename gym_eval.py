@@ -349,8 +349,7 @@ def card_claim(model: Path, env_id: str) -> dict | None:
         return None
     if not isinstance(card, dict) or card.get("model_file") != model.name:
         return None
-    with model.open("rb") as f:
-        same_file = hashlib.file_digest(f, "sha256").hexdigest() == card.get("sha256")
+    same_file = file_sha256(model) == card.get("sha256")
     evaluation = next((e for e in card.get("evaluations", []) if e.get("env") == env_id), None)
     return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file}
 
