@@ -151,6 +151,10 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.random_actions and args.precision != "fp32":
         errors.append(f"--precision {args.precision} sets the model's precision, and --random-actions plays without "
                       "a model: drop --precision")
+    if args.random_actions and args.gpu_id != -1:
+        errors.append(f"--gpu-id {args.gpu_id} sets where the model runs, and --random-actions plays without a model: "
+                      "drop --gpu-id")
+        return errors
     gpu_errors = validate_gpu_ids([args.gpu_id], "--gpu-id")
     errors += gpu_errors
     if not gpu_errors:

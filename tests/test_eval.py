@@ -316,6 +316,7 @@ def test_bad_inputs(tmp_path, model_dir):
         tmp_path, *SHORT, "--random-actions", "--model-file", str(model_dir / "PongNoFrameskip-v4.dat"))
     assert "plays without a model: drop --precision" in bad_eval(tmp_path, *SHORT, "--random-actions", "--precision",
                                                                  "bf16")
+    assert "plays without a model: drop --gpu-id" in bad_eval(tmp_path, *SHORT, "--random-actions", "--gpu-id", "0")
     assert "drop --trace or --random-actions" in bad_eval(tmp_path, *SHORT, "--random-actions", "--trace",
                                                           str(tmp_path / "traces"))
     assert not (tmp_path / "traces").exists()
