@@ -66,10 +66,16 @@ class EnvSpec:
 
 def _atari_ids() -> list[str]:
     ids = [k for k, s in gym.registry.items() if str(getattr(s, "entry_point", "")).startswith("ale_py")]
-    # Deterministic ids are no longer registered; we build them (frameskip 4) and accept them.
+    # Deterministic ids are no longer registered; we build them (frameskip 4, SpaceInvaders 3) and accept them.
     games = sorted({m.group("game") for k in ids if (m := _ID_RE.match(k)) and m.group("ale")})
     ids += [f"{g}Deterministic-v4" for g in games] + [f"{g}Deterministic-v0" for g in games]
     return sorted(ids)
+
+
+def deterministic_frameskip(game: str) -> int:
+    """The fixed frame skip of ``<game>Deterministic-v0``/``-v4`` as gym registered them: 3 for SpaceInvaders
+    (gym's reason: at 4 its laser beams disappear from the frames the agent sees), 4 for every other game."""
+    return 3 if game == "SpaceInvaders" else 4
 
 
 def resolve_env_id(env_id: str) -> EnvSpec:
@@ -87,9 +93,10 @@ def resolve_env_id(env_id: str) -> EnvSpec:
         base = f"ALE/{m.group('game')}-v5"
         if base in gym.registry:
             rap = 0.25 if m.group("version") == "0" else 0.0
-            kw = {"frameskip": 4, "repeat_action_probability": rap, "full_action_space": False,
+            skip = deterministic_frameskip(m.group("game"))
+            kw = {"frameskip": skip, "repeat_action_probability": rap, "full_action_space": False,
                   "max_num_frames_per_episode": 108000}
-            return EnvSpec(env_id, m.group("game"), base, kw, False, 4, rap)
+            return EnvSpec(env_id, m.group("game"), base, kw, False, skip, rap)
     close = difflib.get_close_matches(env_id, _atari_ids(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; Atari ids look like PongNoFrameskip-v4 or ALE/Pong-v5"
     raise EnvIdError(f"unknown environment id '{env_id}'{hint}")

@@ -309,7 +309,9 @@ def summarize(scores: list[float]) -> dict:
 
 def points_lost(points: list[list]) -> dict | None:
     """Where the games gave points away: ``points`` holds each game's ``[agent step, reward]`` pairs (non-zero
-    rewards, in order). None when no reward was negative; else ``{"points", "games", "first_point",
+    rewards, in order; a reward is an agent step's, summed over its frames, so a point lost and one won within the
+    same step cancel: never in Pong, possible in games that score both ways in a frame or two). None when no reward
+    was negative; else ``{"points", "games", "first_point",
     "first_point_steps"}``: the negative rewards' total, the games with any, the games whose first non-zero
     reward was negative (in Pong, the opening serve lost), and the agent steps at which those came."""
     lost = [sum(-r for _, r in game if r < 0) for game in points]

@@ -184,8 +184,9 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
     FIRE and action 2 where the game has FIRE, and a zeroed LSTM state; upstream's test and evaluation did the
     same. Learners never press FIRE to relaunch the ball themselves, so without this a greedy policy stalls
-    Breakout after its first lost life until the time limit. With sticky actions (0.25) a press is lost when all
-    4 of its raw frames repeat the action before it (0.25^4, about 0.4% of presses), and then it still stalls.
+    Breakout after its first lost life until the time limit. With sticky actions (0.25) a press is lost when every
+    raw frame of its agent step repeats the action before it (0.25^k for a step of k frames: about 0.4% at a skip
+    of 4, 6.25% at 2), and then it still stalls.
 
     Returns ``(score, length, finished)``: the unclipped score and agent steps over all lives (the restart steps
     after a lost life included), and False when ``should_stop()`` became true mid-game. The time limit counts

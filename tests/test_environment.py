@@ -238,6 +238,24 @@ def test_accepted_ids(env_id, skip_by_us, rap):
     assert spec.frameskip_by_us == skip_by_us and spec.repeat_action_probability == rap
 
 
+@pytest.mark.parametrize("env_id,skip", [("PongDeterministic-v4", 4), ("PongDeterministic-v0", 4),
+                                         ("SpaceInvadersDeterministic-v4", 3), ("SpaceInvadersDeterministic-v0", 3)])
+def test_deterministic_ids_skip_the_frames_gym_registered(env_id, skip):
+    """gym registered SpaceInvadersDeterministic with a skip of 3 (its laser beams blink at 4) and every other game
+    with 4: counted on the emulator's frame counter over real steps."""
+    assert resolve_env_id(env_id).frameskip == skip
+    env = make(env_id)
+    try:
+        env.reset(seed=1)
+        ale = env.unwrapped.ale
+        before = ale.getEpisodeFrameNumber()
+        for _ in range(5):
+            env.step(0)
+        assert ale.getEpisodeFrameNumber() - before == 5 * skip
+    finally:
+        env.close()
+
+
 def test_unknown_id_suggests_close_ids():
     with pytest.raises(EnvIdError, match="did you mean.*PongNoFrameskip-v4"):
         resolve_env_id("PongNoFrameSkip-v4")  # upstream's default typo
