@@ -241,7 +241,7 @@ def test_accepted_ids(env_id, skip_by_us, rap):
 @pytest.mark.parametrize("env_id,skip", [("PongDeterministic-v4", 4), ("PongDeterministic-v0", 4),
                                          ("SpaceInvadersDeterministic-v4", 3), ("SpaceInvadersDeterministic-v0", 3)])
 def test_deterministic_ids_skip_the_frames_gym_registered(env_id, skip):
-    """gym registered SpaceInvadersDeterministic with a skip of 3 (its laser beams blink at 4) and every other game
+    """gym registered SpaceInvadersDeterministic with a skip of 3 (its laser beams disappear at 4) and every other game
     with 4: counted on the emulator's frame counter over real steps."""
     assert resolve_env_id(env_id).frameskip == skip
     env = make(env_id)
