@@ -151,6 +151,10 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.random_actions and args.precision != "fp32":
         errors.append(f"--precision {args.precision} sets the model's precision, and --random-actions plays without "
                       "a model: drop --precision")
+    parser = build_parser()
+    for flag, dest in (("--load-model-dir", "load_model_dir"), ("--hidden-size", "hidden_size")):
+        if args.random_actions and getattr(args, dest) != parser.get_default(dest):
+            errors.append(f"{flag} describes the model, and --random-actions plays without a model: drop {flag}")
     if args.random_actions and args.gpu_id != -1:
         errors.append(f"--gpu-id {args.gpu_id} sets where the model runs, and --random-actions plays without a model: "
                       "drop --gpu-id")

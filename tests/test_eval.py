@@ -196,12 +196,13 @@ def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_
 
 
 def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
-    """--random-actions reads no model (the folder is empty), plays the protocol's games with seeded random actions
-    whichever process plays them, and writes its JSON beside, not over, a model's."""
-    empty = tmp_path / "no_models"
-    empty.mkdir()
-    flags = ["--hidden-size", "32", "--max-episode-length", "150", "--load-model-dir", str(empty), "--random-actions",
-             "--num-episodes", "3", "--seed", "5", "--log-dir", str(tmp_path / "logs")]
+    """--random-actions reads no model (the default folder holds a file that is not a model), plays the protocol's
+    games with seeded random actions whichever process plays them, and writes its JSON beside, not over, a
+    model's."""
+    (tmp_path / "trained_models").mkdir()
+    (tmp_path / "trained_models/PongNoFrameskip-v4.dat").write_bytes(b"not a model")
+    flags = ["--random-actions", "--num-episodes", "3", "--seed", "5", "--log-dir", str(tmp_path / "logs"),
+             "--max-episode-length", "150"]
     r = run_entry("gym_eval.py", *flags, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     a = json.loads((tmp_path / "logs/PongNoFrameskip-v4_random_eval.json").read_text())
@@ -219,8 +220,8 @@ def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
     b = json.loads(b_json.read_text())
     assert (b["scores"], b["points"]) == (a["scores"], a["points"])
     # a recorded random game goes beside, not over, a model's video of the same game
-    r = run_entry("gym_eval.py", *flags[:3], "30", *flags[4:7], "--num-episodes", "1", "--record",
-                  str(tmp_path / "videos"), "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    r = run_entry("gym_eval.py", *flags, "--max-episode-length", "30", "--num-episodes", "1", "--record",
+                  str(tmp_path / "videos"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [f.name for f in (tmp_path / "videos").iterdir()] == ["PongNoFrameskip-v4_random_game000.mp4"]
 
@@ -312,13 +313,15 @@ def test_bad_inputs(tmp_path, model_dir):
     assert "--trace '" in bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--trace",
                                    str(tmp_path / "afile"))
     assert (tmp_path / "afile").read_text() == "x"
+    no_model = [*SHORT[2:], "--random-actions"]  # SHORT without --hidden-size, which random actions refuse
     assert "--random-actions plays without a model: drop --model-file" in bad_eval(
-        tmp_path, *SHORT, "--random-actions", "--model-file", str(model_dir / "PongNoFrameskip-v4.dat"))
-    assert "plays without a model: drop --precision" in bad_eval(tmp_path, *SHORT, "--random-actions", "--precision",
-                                                                 "bf16")
-    assert "plays without a model: drop --gpu-id" in bad_eval(tmp_path, *SHORT, "--random-actions", "--gpu-id", "0")
-    assert "drop --trace or --random-actions" in bad_eval(tmp_path, *SHORT, "--random-actions", "--trace",
-                                                          str(tmp_path / "traces"))
+        tmp_path, *no_model, "--model-file", str(model_dir / "PongNoFrameskip-v4.dat"))
+    assert "plays without a model: drop --precision" in bad_eval(tmp_path, *no_model, "--precision", "bf16")
+    assert "plays without a model: drop --gpu-id" in bad_eval(tmp_path, *no_model, "--gpu-id", "0")
+    assert "plays without a model: drop --load-model-dir" in bad_eval(tmp_path, *no_model, "--load-model-dir",
+                                                                      str(model_dir))
+    assert "plays without a model: drop --hidden-size" in bad_eval(tmp_path, *no_model, "--hidden-size", "32")
+    assert "drop --trace or --random-actions" in bad_eval(tmp_path, *no_model, "--trace", str(tmp_path / "traces"))
     assert not (tmp_path / "traces").exists()
 
 
