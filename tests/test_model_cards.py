@@ -249,6 +249,64 @@ def test_every_shipped_model_has_a_card_that_matches_what_it_cites():
     assert card_problems(ROOT / "trained_models", ROOT) == []
 
 
+# a README results row of a shipped model: "| Pong, shipped: `trained_models/PongNoFrameskip-v4.dat` | ... |"
+README_ROW = re.compile(r"^\| [^|]*, shipped: `trained_models/([^`]+)` \|.*$", re.M)
+README_STEPS = re.compile(r"\| (\d+\.\d\d)M \((\d+) min\) \|")
+README_SCORE = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d)")
+README_CHANCE = re.compile(r"random actions: (-?\d+\.\d\d)")
+
+
+def readme_problems(readme: str, models_dir: Path) -> list[str]:
+    """Where the README's results table disagrees with the cards, one line each; [] when it agrees.
+
+    Every shipped model has one row; its steps and wall time are the card's (global_steps in millions to two
+    decimals, wall_time_s in whole minutes), every "mean ± std" in it is one of the card's evaluations, the
+    evaluation on the card's own env among them, and every "random actions: x" one of its chance means."""
+    rows = {m.group(1): m.group(0) for m in README_ROW.finditer(readme)}
+    problems = [f"README: no results row for {m.name}" for m in sorted(models_dir.glob(f"*{MODEL_SUFFIX}"))
+                if m.name not in rows]
+    for file, row in rows.items():
+        card_path = (models_dir / file).with_suffix(".json")
+        if not card_path.is_file():
+            problems.append(f"README: a row for {file}, which has no card in {models_dir.name}/")
+            continue
+        card = json.loads(card_path.read_text())
+        steps = README_STEPS.search(row)
+        want = (f"{card['training']['global_steps'] / 1e6:.2f}", str(round(card["training"]["wall_time_s"] / 60)))
+        if steps is None or steps.groups() != want:
+            problems.append(f"README row {file}: steps (wall time) {steps and steps.group(0)!r}, the card's are "
+                            f"{want[0]}M ({want[1]} min)")
+        evals = {(f"{e['mean']:.2f}", f"{e['std']:.2f}"): e["env"] for e in card["evaluations"]}
+        quoted = README_SCORE.findall(row)
+        problems += [f"README row {file}: {m} ± {sd} is none of the card's evaluations" for m, sd in quoted
+                     if (m, sd) not in evals]
+        if card["env"] not in [evals.get(q) for q in quoted]:
+            problems.append(f"README row {file}: no figure of the card's evaluation on {card['env']}")
+        chance = {f"{c['mean']:.2f}" for c in card.get("chance") or []}
+        problems += [f"README row {file}: random actions {c} is none of the card's chance means"
+                     for c in README_CHANCE.findall(row) if c not in chance]
+    return problems
+
+
+def test_the_readmes_results_rows_quote_the_cards():
+    assert readme_problems((ROOT / "README.md").read_text(), ROOT / "trained_models") == []
+
+
+def test_a_readme_row_that_disagrees_with_its_card_is_reported(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    row = next(m.group(0) for m in README_ROW.finditer(readme) if "PongNoFrameskip-v4.dat" in m.group(0))
+    card = json.loads((ROOT / "trained_models/PongNoFrameskip-v4.json").read_text())
+    mean = f"{card['evaluations'][0]['mean']:.2f}"
+    steps = README_STEPS.search(row).group(0)
+    bad = {"a score": row.replace(f"{mean} ± ", "20.99 ± "), "the steps": row.replace(steps, "| 5.43M (302 min) |"),
+           "no row": ""}
+    for what, changed in bad.items():
+        found = readme_problems(readme.replace(row, changed), ROOT / "trained_models")
+        assert len(found) == (2 if what == "a score" else 1), (what, found)
+    assert readme_problems(readme.replace(row, row.replace(f"{mean} ± ", "20.99 ± ")), ROOT / "trained_models")[0] \
+        == "README row PongNoFrameskip-v4.dat: 20.99 ± 0.00 is none of the card's evaluations"
+
+
 @pytest.fixture
 def repo_copy(tmp_path) -> Path:
     """trained_models/ (cards copied, model files linked) and every results/ file the cards cite, under tmp_path."""
