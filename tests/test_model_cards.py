@@ -461,10 +461,10 @@ def test_chance_levels_are_checked_against_random_action_evaluations(repo_copy):
 def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_copy):
     models = repo_copy / "trained_models"
     card = models / "PongNoFrameskip-v4.json"
-    card.rename(models / "SeaquestNoFrameskip-v4.json")
+    card.rename(models / "NotShippedNoFrameskip-v4.json")
     problems = card_problems(models, repo_copy)
     assert "PongNoFrameskip-v4.dat: no card (PongNoFrameskip-v4.json)" in problems
-    assert "SeaquestNoFrameskip-v4.json: no model file (SeaquestNoFrameskip-v4.dat)" in problems
+    assert "NotShippedNoFrameskip-v4.json: no model file (NotShippedNoFrameskip-v4.dat)" in problems
 
 
 def test_default_for_problems_are_reported(repo_copy):
@@ -598,7 +598,10 @@ def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_p
                                           ("BreakoutNoFrameskip-v0", "BreakoutNoFrameskip-v4.dat"),
                                           ("SpaceInvadersNoFrameskip-v4", "SpaceInvadersNoFrameskip-v4.dat"),
                                           ("SpaceInvadersNoFrameskip-v0", "SpaceInvadersNoFrameskip-v4.dat"),
-                                          ("SpaceInvaders-v0", "SpaceInvadersNoFrameskip-v4.dat")])
+                                          ("SpaceInvaders-v0", "SpaceInvadersNoFrameskip-v4.dat"),
+                                          ("BeamRider-v0", "BeamRiderNoFrameskip-v4.dat"),
+                                          ("MsPacmanNoFrameskip-v0", "MsPacmanNoFrameskip-v4.dat"),
+                                          ("Seaquest-v0", "SeaquestNoFrameskip-v4.dat")])
 def test_gym_eval_finds_the_shipped_model_for_each_protocol_without_flags(env_id, model):
     """What ``python gym_eval.py --env ENV`` loads from trained_models/ with no --model-file."""
     from gym_eval import default_model_file
