@@ -6,8 +6,13 @@
 
 Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth (one line per run), or a GA3C
 ``results.txt`` named as a file (the agents' training games: steps are the running sum of the games' lengths,
-time counts from the first game). A curve is named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its format follows
-the extension: PNG, SVG or PDF.
+time counts from the first game), or the monitor CSVs of one run trained in pieces joined with ``+``
+(``a_monitor.csv+b_monitor.csv``: one line, one time-to-score row). A piece resumed from the previous piece's
+checkpoint (``--load``) goes on counting its steps and time, and the join keeps them; with ``--restarted-pieces``
+every piece counted from 0 (each started from a bare ``.dat``, as ``--load --load-model-dir trained_models/``
+does), and the join adds to each the steps and time of the previous pieces' last games, as the model cards do.
+A curve is named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its
+format follows the extension: PNG, SVG or PDF.
 
 It also prints the time to each score: for every run, the global steps and the running time (the monitor's
 ``elapsed_s``, which goes on across resumes from where the checkpoint left it) at which the mean of the last ``--window`` games first reached each of
@@ -27,7 +32,8 @@ from cli import validate_file
 PROG = "plot.py"
 
 
-def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
+def find_csvs(items: list[str]) -> tuple[list[tuple[Path, ...]], list[str]]:
+    """One tuple per run: a file, each ``*_monitor.csv`` under a folder, or the pieces of ``a+b+...``, in order."""
     paths, errors = [], []
     for item in items:
         p = Path(item)
@@ -35,9 +41,17 @@ def find_csvs(items: list[str]) -> tuple[list[Path], list[str]]:
             found = sorted(p.rglob("*_monitor.csv"))
             if not found:
                 errors.append(f"no *_monitor.csv in folder '{item}' or below it")
-            paths += found
+            paths += [(f,) for f in found]
         elif p.is_file():
-            paths.append(p)
+            paths.append((p,))
+        elif "+" in item and all(item.split("+")):
+            pieces = [Path(part) for part in item.split("+")]
+            bad = [f"'{part}' (in '{item}') "
+                   + ("is a folder: join files, not folders" if part.is_dir() else "does not exist")
+                   for part in pieces if not part.is_file()]
+            errors += bad
+            if not bad:
+                paths.append(tuple(pieces))
         else:
             errors.append(f"'{item}' does not exist")
     return paths, errors
@@ -118,6 +132,52 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
                         f"resumed from an earlier checkpoint, or another run appended to this file): the curve "
                         f"keeps the games of the last timeline")
     return {"steps": steps, "score": score, "hours": hours}
+
+
+def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
+    """The curves of one run's pieces, in order, as one curve, and how many games were left out.
+
+    Continued pieces (``restarted`` false) are laid end to end as rows appended to one CSV are: where a piece's
+    global steps go back (it resumed an earlier checkpoint than the previous piece's last game), the games after
+    that checkpoint are left out, as ``read_curve`` does within a file. Restarted pieces each counted from 0: each
+    is moved on by the steps and hours of the joined curve's last game before it.
+    """
+    out = {"steps": [], "score": [], "hours": []}
+    left_out = 0
+    for piece in pieces:
+        steps0 = out["steps"][-1] if restarted and out["steps"] else 0
+        hours0 = out["hours"][-1] if restarted and out["hours"] else 0.0
+        for steps, score, hours in zip(piece["steps"], piece["score"], piece["hours"]):
+            steps, hours = steps + steps0, hours + hours0
+            while out["steps"] and out["steps"][-1] >= steps:
+                out["steps"].pop(), out["score"].pop(), out["hours"].pop()
+                left_out += 1
+            out["steps"].append(steps), out["score"].append(score), out["hours"].append(hours)
+    return out, left_out
+
+
+def read_run(pieces: tuple[Path, ...], warnings: list[str], restarted: bool = False) -> dict:
+    """``read_curve`` of one file, or of a run's pieces joined by ``join_pieces`` (a piece with no game yet adds
+    nothing, with a warning)."""
+    if len(pieces) == 1:
+        return read_curve(pieces[0], warnings)
+    curves = []
+    for path in pieces:
+        try:
+            curves.append(read_curve(path, warnings))
+        except NoGamesYet as e:
+            warnings.append(f"{e}; it adds nothing to its run")
+    if not curves:
+        raise NoGamesYet(f"{'+'.join(map(str, pieces))}: no piece has a game yet")
+    curve, left_out = join_pieces(curves, restarted)
+    if left_out:
+        first = curves[0]["steps"][0]
+        hint = ("" if restarted or not any(c["steps"][0] <= first for c in curves[1:]) else
+                "; a piece starts again at or below the first piece's first game: if the pieces each counted from "
+                "0 (started from a .dat), give --restarted-pieces")
+        warnings.append(f"{'+'.join(map(str, pieces))}: {left_out} game(s) left out where a piece's global steps go "
+                        f"back (it resumed an earlier checkpoint than the last game before it){hint}")
+    return curve
 
 
 def rolling_mean(values: list[float], window: int) -> list[float]:
@@ -218,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                         "file names where those repeat)")
     p.add_argument("--levels", nargs="+", type=float, default=list(DEFAULT_LEVELS),
                    help="scores for the time-to-score table (default: -10 0 10 15 19 20)")
+    p.add_argument("--restarted-pieces", action="store_true",
+                   help="the pieces joined with + each counted their steps and time from 0 (each started from a "
+                        "bare .dat): add each piece to the end of those before it (default: pieces that resumed "
+                        "the previous piece's checkpoint and go on counting)")
     p.add_argument("--no-figure", dest="figure", action="store_false",
                    help="print the time-to-score table only; draw nothing")
     args = p.parse_args(argv)
@@ -235,13 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         errors.append(f"--max-steps must be >= 1, got {args.max_steps}")
     curves, empty, warnings = [], [], []
+    if args.restarted_pieces and not any(len(path) > 1 for path in paths):
+        errors.append("--restarted-pieces is about pieces joined with + (a_monitor.csv+b_monitor.csv); no input "
+                      "joins any")
     for path in paths:
         try:
-            curve = read_curve(path, warnings)
+            curve = read_run(path, warnings, args.restarted_pieces)
             if args.max_steps is not None and args.max_steps >= 1:
                 keep = [i for i, s in enumerate(curve["steps"]) if s <= args.max_steps]
                 if not keep:
-                    raise ValueError(f"{path} has no game at or before --max-steps {args.max_steps}")
+                    raise ValueError(f"{'+'.join(map(str, path))} has no game at or before --max-steps "
+                                     f"{args.max_steps}")
                 curve = {k: [v[i] for i in keep] for k, v in curve.items()}
             curves.append((path, curve))
         except NoGamesYet as e:
@@ -263,14 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: warning: {w}", file=sys.stderr)
 
     envs, runs, labels = set(), [], []
-    names = [label_for(path) for path, _ in curves]
+    names = [label_for(path[0]) for path, _ in curves]
     repeated = len({run for _, run in names}) < len(names)
     for k, ((path, c), (env, run)) in enumerate(zip(curves, names)):
         if repeated:
-            run = path.stem[: -len("_monitor")] if path.stem.endswith("_monitor") else path.stem
+            run = path[0].stem[: -len("_monitor")] if path[0].stem.endswith("_monitor") else path[0].stem
         envs.add(env)
         runs.append(run)
-        labels.append(args.labels[k] if args.labels else (run if len(curves) > 1 else env))
+        pieces = f" ({len(path)} pieces)" if len(path) > 1 else ""
+        labels.append(args.labels[k] if args.labels else (run if len(curves) > 1 else env) + pieces)
     print(time_to_score_table(list(zip(labels, [c for _, c in curves])), args.levels, args.window), flush=True)
     if not args.figure:
         return 0

@@ -535,6 +535,52 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert not list(tmp_path.rglob("*.png"))
 
 
+def test_join_pieces_by_hand():
+    from plot import join_pieces
+    a = {"steps": [10, 20, 30], "score": [1.0, 2.0, 3.0], "hours": [0.1, 0.2, 0.3]}
+    b = {"steps": [25, 40], "score": [4.0, 5.0], "hours": [0.25, 0.4]}  # resumed a checkpoint taken at 20-25
+    assert join_pieces([a, b], restarted=False) == (
+        {"steps": [10, 20, 25, 40], "score": [1.0, 2.0, 4.0, 5.0], "hours": [0.1, 0.2, 0.25, 0.4]}, 1)
+    c = {"steps": [5, 15], "score": [6.0, 7.0], "hours": [0.05, 0.15]}  # counted from 0 again
+    joined, left_out = join_pieces([a, c, c], restarted=True)
+    assert left_out == 0 and joined["steps"] == [10, 20, 30, 35, 45, 50, 60]
+    assert joined["score"] == [1.0, 2.0, 3.0, 6.0, 7.0, 6.0, 7.0]
+    assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.35, 0.45, 0.5, 0.6])
+
+
+def test_plot_joins_the_pieces_of_one_run(tmp_path):
+    """``a+b`` is one run: the 10-game window runs across the join, as the monitor's own mean does; with
+    ``--restarted-pieces`` each piece goes on from the last game before it; bad joins are one line and exit 2."""
+    def write(name, rows):
+        (tmp_path / name).write_text(HEADER + "\n" + "".join(f"0,{60 * t},{1000 * t},{s},100,1,0,\n"
+                                                                for t, s in rows))
+    write("a_monitor.csv", [(1, 0), (2, 0), (3, 10)])
+    write("b_monitor.csv", [(4, 10), (5, 20)])  # resumed a's checkpoint: steps and time go on
+    write("c_monitor.csv", [(1, 10), (2, 20)])  # started again from 0
+    a, b, c = (str(tmp_path / f"{n}_monitor.csv") for n in "abc")
+
+    def table(*args):
+        r = run_entry("plot.py", *args, "--window", "2", "--levels", "5", "15", "--no-figure", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()[2].split(), r.stderr
+    # a alone: means 0, 5 -> 5 at game 3; b alone: 15 at its 2nd game; a+b: means 0, 5, 10, 15 -> 15 at 5k steps
+    assert table(f"{a}+{b}") == (["a", "(2", "pieces)", "3k", "/", "3", "min", "5k", "/", "5", "min"], "")
+    row, err = table(f"{a}+{c}", "--restarted-pieces")  # c's games land at 4k and 5k steps, 4 and 5 min
+    assert row[3:] == ["3k", "/", "3", "min", "5k", "/", "5", "min"] and err == ""
+    row, err = table(f"{a}+{c}")  # without the flag c's first game goes back before a's: a's games left out
+    assert row[3:] == ["2k", "/", "2", "min"] * 2  # c alone: its 2-game mean is 15 at 2k steps
+    assert "3 game(s) left out where a piece's global steps go back" in err and "--restarted-pieces" in err
+    (tmp_path / "d").mkdir()
+    for args, message in ([f"{a}+{tmp_path / 'x.csv'}"], f"'{tmp_path / 'x.csv'}' (in '{a}+{tmp_path / 'x.csv'}') "
+                                                          f"does not exist"), \
+                         ([f"{a}+{tmp_path / 'd'}"], f"'{tmp_path / 'd'}' (in '{a}+{tmp_path / 'd'}') is a folder: "
+                                                     f"join files, not folders"), \
+                         ([a, "--restarted-pieces"], "--restarted-pieces is about pieces joined with + "
+                                                     "(a_monitor.csv+b_monitor.csv); no input joins any"):
+        r = run_entry("plot.py", *args, "--no-figure", cwd=tmp_path)
+        assert (r.returncode, r.stdout, r.stderr) == (2, "", f"plot.py: error: {message}\n")
+
+
 @pytest.mark.parametrize("env_id", ["Pong-v0", "PongNoFrameskip-v4"])
 def test_the_frameskip_in_words_is_what_ale_does(env_id):
     """The summary line's frameskip: ``Pong-v0``'s ALE range ``(2, 5)`` steps 2, 3 or 4 raw frames (ALE's upper
