@@ -47,8 +47,10 @@ def find_csvs(items: list[str]) -> tuple[list[tuple[Path, ...]], list[str]]:
         elif "+" in item and all(item.split("+")):
             pieces = [Path(part) for part in item.split("+")]
             bad = [f"'{part}' (in '{item}') "
-                   + ("is a folder: join files, not folders" if part.is_dir() else "does not exist")
-                   for part in pieces if not part.is_file()]
+                   + ("is a folder: join files, not folders" if part.is_dir() else
+                      "is GA3C's results.txt: join monitor CSVs only" if part.name == "results.txt" else
+                      "does not exist (a name with + in it cannot be joined: rename or link it)")
+                   for part in pieces if not part.is_file() or part.name == "results.txt"]
             errors += bad
             if not bad:
                 paths.append(tuple(pieces))
@@ -140,7 +142,8 @@ def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
     Continued pieces (``restarted`` false) are laid end to end as rows appended to one CSV are: where a piece's
     global steps go back (it resumed an earlier checkpoint than the previous piece's last game), the games after
     that checkpoint are left out, as ``read_curve`` does within a file. Restarted pieces each counted from 0: each
-    is moved on by the steps and hours of the joined curve's last game before it.
+    is moved on by the steps and hours of the joined curve's last game before it, and nothing is left out (a
+    piece's first game may sit at 0 steps, and so on that last game).
     """
     out = {"steps": [], "score": [], "hours": []}
     left_out = 0
@@ -149,7 +152,7 @@ def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
         hours0 = out["hours"][-1] if restarted and out["hours"] else 0.0
         for steps, score, hours in zip(piece["steps"], piece["score"], piece["hours"]):
             steps, hours = steps + steps0, hours + hours0
-            while out["steps"] and out["steps"][-1] >= steps:
+            while not restarted and out["steps"] and out["steps"][-1] >= steps:
                 out["steps"].pop(), out["score"].pop(), out["hours"].pop()
                 left_out += 1
             out["steps"].append(steps), out["score"].append(score), out["hours"].append(hours)
@@ -265,7 +268,9 @@ def label_for(path: Path) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     from cli import Parser
     p = Parser(prog=PROG, description="Plot monitor learning curves.")
-    p.add_argument("inputs", nargs="+", help="monitor CSV files or folders that hold them")
+    p.add_argument("inputs", nargs="+",
+                   help="monitor CSV files, folders that hold them, or one run's pieces joined with + "
+                        "(a_monitor.csv+b_monitor.csv)")
     p.add_argument("--out", default=None,
                    help="output image: .png, .svg or .pdf (default: runs/<env>_curves.png)")
     p.add_argument("--window", type=int, default=10, help="rolling-mean window in games (default: %(default)s)")
@@ -287,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     paths, errors = find_csvs(args.inputs)
     if args.labels is not None and len(args.labels) != len(paths):
-        errors.append(f"--labels names {len(args.labels)} curves but the inputs hold {len(paths)}: give one "
-                      f"label per monitor CSV")
+        errors.append(f"--labels names {len(args.labels)} curve(s) but the inputs hold {len(paths)}: give one "
+                      f"label per run (a monitor CSV, or pieces joined with +)")
     if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     elif args.out is not None and args.figure:

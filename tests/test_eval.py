@@ -164,7 +164,7 @@ def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_
     capsys.readouterr()
     assert plot.main([*both, "--out", str(svg), "--labels", "only one"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--labels names 1 curves" in err
+    assert err.count("\n") == 1 and "--labels names 1 curve(s)" in err
     # the title names the curves as the legend does
     with matplotlib.rc_context(text_stays_text):
         assert plot.main([*both, "--out", str(svg), "--labels", "old code", "new code"]) == 0
@@ -546,6 +546,10 @@ def test_join_pieces_by_hand():
     assert left_out == 0 and joined["steps"] == [10, 20, 30, 35, 45, 50, 60]
     assert joined["score"] == [1.0, 2.0, 3.0, 6.0, 7.0, 6.0, 7.0]
     assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.35, 0.45, 0.5, 0.6])
+    z = {"steps": [0, 15], "score": [8.0, 9.0], "hours": [0.0, 0.15]}  # a first game logged at 0 steps
+    joined, left_out = join_pieces([a, z], restarted=True)  # a's last game stays
+    assert left_out == 0 and joined["steps"] == [10, 20, 30, 30, 45] and joined["score"] == [1.0, 2.0, 3.0, 8.0, 9.0]
+    assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.45])
 
 
 def test_plot_joins_the_pieces_of_one_run(tmp_path):
@@ -571,10 +575,16 @@ def test_plot_joins_the_pieces_of_one_run(tmp_path):
     assert row[3:] == ["2k", "/", "2", "min"] * 2  # c alone: its 2-game mean is 15 at 2k steps
     assert "3 game(s) left out where a piece's global steps go back" in err and "--restarted-pieces" in err
     (tmp_path / "d").mkdir()
+    (tmp_path / "results.txt").write_text("2026-01-01 00:00:00, 5, 100\n")
+    txt = tmp_path / "results.txt"
     for args, message in ([f"{a}+{tmp_path / 'x.csv'}"], f"'{tmp_path / 'x.csv'}' (in '{a}+{tmp_path / 'x.csv'}') "
-                                                          f"does not exist"), \
+                                                          f"does not exist (a name with + in it cannot be joined: rename or link it)"), \
                          ([f"{a}+{tmp_path / 'd'}"], f"'{tmp_path / 'd'}' (in '{a}+{tmp_path / 'd'}') is a folder: "
                                                      f"join files, not folders"), \
+                         ([f"{a}+{txt}"], f"'{txt}' (in '{a}+{txt}') is GA3C's results.txt: join monitor CSVs only"), \
+                         ([f"{a}+{b}", "--labels", "x", "y"], "--labels names 2 curve(s) but the inputs hold 1: give "
+                                                              "one label per run (a monitor CSV, or pieces joined "
+                                                              "with +)"), \
                          ([a, "--restarted-pieces"], "--restarted-pieces is about pieces joined with + "
                                                      "(a_monitor.csv+b_monitor.csv); no input joins any"):
         r = run_entry("plot.py", *args, "--no-figure", cwd=tmp_path)
