@@ -115,7 +115,7 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
     missing = {"global_steps", "score", "elapsed_s"} - set(rows[0][1].keys())
     if missing:
         raise ValueError(f"{path} is not a monitor CSV (missing {', '.join(sorted(missing))})")
-    steps, score, hours = [], [], []
+    curve = {"steps": [], "score": [], "hours": []}
     superseded = 0
     for line, r in rows:
         try:
@@ -125,15 +125,23 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
         except ValueError:
             raise ValueError(f"{path} line {line} is not a monitor CSV row (global_steps, score and elapsed_s "
                              f"as numbers, one value per column)") from None
-        while steps and steps[-1] >= game[0]:
-            steps.pop(), score.pop(), hours.pop()
-            superseded += 1
-        steps.append(game[0]), score.append(game[1]), hours.append(game[2])
+        superseded += add_game(curve, *game)
     if superseded:
         warnings.append(f"{path}: {superseded} game(s) left out, after which the global steps go back (a run "
                         f"resumed from an earlier checkpoint, or another run appended to this file): the curve "
                         f"keeps the games of the last timeline")
-    return {"steps": steps, "score": score, "hours": hours}
+    return curve
+
+
+def add_game(curve: dict, steps: int, score: float, hours: float, supersede: bool = True) -> int:
+    """Append one game to ``curve``; with ``supersede``, first drop the games at or after its global steps (a
+    resume from an earlier checkpoint lost them) and return how many."""
+    dropped = 0
+    while supersede and curve["steps"] and curve["steps"][-1] >= steps:
+        curve["steps"].pop(), curve["score"].pop(), curve["hours"].pop()
+        dropped += 1
+    curve["steps"].append(steps), curve["score"].append(score), curve["hours"].append(hours)
+    return dropped
 
 
 def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
@@ -151,11 +159,7 @@ def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
         steps0 = out["steps"][-1] if restarted and out["steps"] else 0
         hours0 = out["hours"][-1] if restarted and out["hours"] else 0.0
         for steps, score, hours in zip(piece["steps"], piece["score"], piece["hours"]):
-            steps, hours = steps + steps0, hours + hours0
-            while not restarted and out["steps"] and out["steps"][-1] >= steps:
-                out["steps"].pop(), out["score"].pop(), out["hours"].pop()
-                left_out += 1
-            out["steps"].append(steps), out["score"].append(score), out["hours"].append(hours)
+            left_out += add_game(out, steps + steps0, score, hours + hours0, supersede=not restarted)
     return out, left_out
 
 
