@@ -94,8 +94,38 @@ class blocked_stop_signals:
         return False
 
 
+class deferred_stop_handlers:
+    """``with deferred_stop_handlers():`` (main thread only) the Python handlers of SIGINT and SIGTERM only record
+    the signals; at the end of the block the handlers of before are put back and each recorded signal is raised
+    again, so that they run then.
+
+    Blocking the signals in the main thread does not keep its handlers from running: the kernel gives a signal
+    sent to the process to a thread that does not block it (torch and OpenCV start such threads), and Python then
+    runs the handler in the main thread at its next bytecode, whatever that thread's mask."""
+
+    def __enter__(self):
+        self.received: list[int] = []
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                if signal.getsignal(s) is None:  # a handler installed from C, which Python could not put back
+                    continue
+                self._old[s] = signal.signal(s, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        for s in self.received:
+            signal.raise_signal(s)
+        return False
+
+
 def start_child(process) -> None:
-    """``process.start()`` with SIGINT and SIGTERM blocked, so that the child starts with them blocked.
+    """``process.start()`` with SIGINT and SIGTERM blocked, so that the child starts with them blocked, and the
+    process's handlers of them deferred to the end of the start (``deferred_stop_handlers``), so that a handler
+    that exits or raises never leaves a child launched without its data (a multiprocessing traceback from the
+    child, reading a closed pipe).
 
     multiprocessing starts its resource tracker inside the first ``start()`` and afterwards *unblocks* SIGINT
     and SIGTERM in the calling process (``resource_tracker.ensure_running``), whatever the mask was: a child
@@ -103,7 +133,7 @@ def start_child(process) -> None:
     any block, and each start gets its own block."""
     from multiprocessing import resource_tracker
     resource_tracker.ensure_running()
-    with blocked_stop_signals():
+    with deferred_stop_handlers(), blocked_stop_signals():
         process.start()
 
 
