@@ -130,11 +130,19 @@ def start_child(process) -> None:
     multiprocessing starts its resource tracker inside the first ``start()`` and afterwards *unblocks* SIGINT
     and SIGTERM in the calling process (``resource_tracker.ensure_running``), whatever the mask was: a child
     started after that inside one long block would start unprotected. So the tracker is started first, outside
-    any block, and each start gets its own block."""
+    any block, and each start gets its own block. A deferred handler that raises (``KeyboardInterrupt``) raises
+    from here, after the child is killed and reaped: the caller never holds a started process it does not know
+    of."""
     from multiprocessing import resource_tracker
     resource_tracker.ensure_running()
-    with deferred_stop_handlers(), blocked_stop_signals():
-        process.start()
+    try:
+        with deferred_stop_handlers(), blocked_stop_signals():
+            process.start()
+    except BaseException:
+        if process.pid is not None:
+            process.kill()
+            process.join()
+        raise
 
 
 class StopSignals:
