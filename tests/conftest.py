@@ -101,3 +101,16 @@ def collect_batch(predictor, stepper, segments, size: int, tries: int = 500) -> 
             break
     assert len(batch) == size, "the predictor closed no segments"
     return batch
+
+
+def session_processes(sid: int) -> list:
+    """The live processes of session ``sid`` (zombies, already ended, are left out)."""
+    import psutil
+    out = []
+    for q in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(q.pid) == sid and q.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(q)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_entry
+from conftest import ROOT, run_entry, session_processes
 
 
 @pytest.mark.slow  # 70 s: every part of the benchmark runs, each a few seconds
@@ -232,19 +232,6 @@ def test_bad_input_is_one_error_line_and_exit_2_before_anything_is_measured_or_w
     assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "a-file").read_text() == "kept"  # nothing written
 
 
-def _session_processes(sid: int) -> list:
-    """The live processes of session ``sid`` (zombies, already ended, are left out)."""
-    import psutil
-    out = []
-    for q in psutil.process_iter(["status"]):
-        try:
-            if os.getsid(q.pid) == sid and q.info["status"] != psutil.STATUS_ZOMBIE:
-                out.append(q)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return out
-
-
 @pytest.mark.parametrize("script, flags, after_line, delay", [
     ("benchmark.py", [], None, 1.5),  # importing torch
     ("benchmark.py", ["--workers", "1"], "machine:", 1.5),  # a step-cost measurement in a fresh process
@@ -269,15 +256,15 @@ def test_ctrl_c_exits_130_in_one_line_and_leaves_no_process(tmp_path, script, fl
             assert line, "the benchmark ended before it measured"
         time.sleep(delay)
         if after_line is not None:  # the resource tracker and the measuring processes
-            assert len(_session_processes(proc.pid)) >= 3, "nothing running to interrupt"
+            assert len(session_processes(proc.pid)) >= 3, "nothing running to interrupt"
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=40)
         assert proc.returncode == 130, err[-2000:]
         assert err == f"{script}: interrupted\n"
         deadline = time.time() + 10
-        while _session_processes(proc.pid) and time.time() < deadline:
+        while session_processes(proc.pid) and time.time() < deadline:
             time.sleep(0.2)
-        assert not _session_processes(proc.pid), "a child process was left running"
+        assert not session_processes(proc.pid), "a child process was left running"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

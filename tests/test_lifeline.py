@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, session_processes
 
 SCRIPT = textwrap.dedent("""
     import multiprocessing as mp
@@ -196,14 +196,6 @@ def test_a_ctrl_c_caught_by_another_thread_during_a_start_leaves_no_traceback(tm
     else:
         assert err == "" and out == "interrupted; the child's exit code: -9\n", out + err
     deadline = time.time() + 10
-    while any(_in_session(q, proc.pid) for q in psutil.process_iter()) and time.time() < deadline:
+    while session_processes(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
-    assert not any(_in_session(q, proc.pid) for q in psutil.process_iter()), "the child was left running"
-
-
-def _in_session(q: psutil.Process, sid: int) -> bool:
-    import os
-    try:
-        return os.getsid(q.pid) == sid and q.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, ProcessLookupError, PermissionError):
-        return False
+    assert not session_processes(proc.pid), "the child was left running"
