@@ -32,7 +32,11 @@ def resolve_env_config(path: str) -> str:
     return path
 
 
-def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") -> None:
+SEED_LIMIT = 2**32  # seeds run from 0 to SEED_LIMIT - 1 (gymnasium refuses negative ones)
+
+
+def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
+                        seed_help: str = "random seed; worker r uses seed + r") -> None:
     """Flags shared by training and evaluation (same names as upstream)."""
     p.add_argument("--env", "-ev", default=DEFAULT_ENV, help="environment id (default: %(default)s)")
     p.add_argument("--env-config", "-evc", default="config.json", help="per-game crop table (default: %(default)s)")
@@ -41,7 +45,7 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg") 
     p.add_argument("--skip-rate", "-sk", type=int, default=4,
                    help="frames per agent step for NoFrameskip ids (default: %(default)s)")
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
-    p.add_argument("--seed", "-s", type=int, default=1, help="random seed; worker r uses seed + r (default: %(default)s)")
+    p.add_argument("--seed", "-s", type=int, default=1, help=f"{seed_help} (default: %(default)s)")
     p.add_argument("--log-dir", log_dir_short, default=None,
                    help="folder for logs, CSVs and TensorBoard (default: logs/<env>; a GA3C-mode or Ray "
                         "training run's: logs/<env>-ga3c, logs/<env>-ray)")
@@ -293,6 +297,8 @@ def validate_common(args: argparse.Namespace) -> list[str]:
             load_env_config(args.env_config, args.env)
         except (ValueError, OSError) as e:
             errors.append(f"env config '{args.env_config}' is not valid: {e}")
+    if not 0 <= args.seed < SEED_LIMIT:
+        errors.append(f"--seed must be between 0 and {SEED_LIMIT - 1}, got {args.seed}")
     for name, low in (("max_episode_length", 1), ("skip_rate", 1), ("hidden_size", 1)):
         if getattr(args, name) < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")

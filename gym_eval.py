@@ -20,7 +20,8 @@ between is refused).
 With ``--random-actions`` every default name gets ``_random`` (``<env>_random_mon_log``,
 ``<env>_random_eval.json``, ``<env>_random_game000.mp4``), so chance never lands in a model's files.
 
-Exit codes: 0 done; 2 bad input; 130 Ctrl-C.
+Exit codes: 0 done; 1 the games could not be finished or their summary not written (an evaluation process
+died, a full disk): one line says which; 2 bad input; 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import queue as queue_module
 import signal
 import statistics
 import sys
@@ -47,7 +49,7 @@ import torch
 
 from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
 from cli import Parser
-from config import add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
+from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol
 from model import A3Clstm
 import precision
@@ -59,7 +61,7 @@ PROG = "gym_eval.py"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Evaluate, watch or record a trained A3C-LSTM model.")
-    add_model_env_flags(p, log_dir_short="-lgd")
+    add_model_env_flags(p, log_dir_short="-lgd", seed_help="random seed; game i is seeded with seed + i")
     p.add_argument("--num-episodes", "-ne", type=int, default=100, help="games to play (default: %(default)s)")
     p.add_argument("--load-model-dir", "-lmd", default="trained_models/",
                    help="where <env>.dat is looked for, or else a model whose card names <env> under default_for "
@@ -137,11 +139,22 @@ def validate(args: argparse.Namespace) -> list[str]:
                       "videos instead")
     if args.render and args.workers > 1:
         errors.append("--render shows games one at a time: use it with --workers 1")
+    if args.render and args.record:
+        errors.append("--render shows the games in a window and --record writes them to files: use one of them")
+    if 0 <= args.seed < SEED_LIMIT and args.num_episodes >= 1 and args.seed + args.num_episodes > SEED_LIMIT:
+        errors.append(f"--seed {args.seed} + --num-episodes {args.num_episodes}: game i is seeded with seed + i, "
+                      f"which must stay below {SEED_LIMIT}: pass a smaller --seed")
     for flag, folder in (("--log-dir", args.log_dir), ("--record", args.record), ("--trace", args.trace)):
         if folder is not None:
             errors += validate_dir(folder, flag)
     if args.json is not None:
         errors += validate_file(args.json, "--json")
+    elif not validate_dir(args.log_dir, "--log-dir") and json_path(args).is_dir():
+        errors.append(f"'{json_path(args)}' is a folder, where the summary JSON would be written: move it away, or "
+                      "pass --json PATH")
+    if not validate_dir(args.log_dir, "--log-dir") and mon_log_path(args).is_dir():
+        errors.append(f"'{mon_log_path(args)}' is a folder, where the games would be logged: move it away, or pass "
+                      "--log-dir DIR")
     if args.random_actions and args.model_file is not None:
         errors.append("--random-actions plays without a model: drop --model-file (or drop --random-actions to "
                       "evaluate the model)")
@@ -237,6 +250,32 @@ def file_stem(args: argparse.Namespace) -> str:
     return f"{safe_name(args.env)}{'_random' if args.random_actions else ''}"
 
 
+def json_path(args: argparse.Namespace) -> Path:
+    """Where the summary JSON goes: ``--json``, else ``<log-dir>/<stem>_eval.json``."""
+    return Path(args.json) if args.json else Path(args.log_dir) / f"{file_stem(args)}_eval.json"
+
+
+def mon_log_path(args: argparse.Namespace) -> Path:
+    """The per-game log, appended to: ``<log-dir>/<stem>_mon_log``."""
+    return Path(args.log_dir) / f"{file_stem(args)}_mon_log"
+
+
+def write_json_atomically(path: Path, text: str) -> None:
+    """``text`` in ``path``, written whole to a temporary file beside it, flushed to disk, then renamed into place:
+    an existing file is replaced only by a complete one. The temporary file is removed when the write fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[int], device: torch.device,
                results) -> None:
     """Play the games with these indices and put ``(index, score, length, frames_recorded, points)`` on
@@ -306,6 +345,10 @@ def _worker(args, state_dict, games, results) -> None:
         results.put(("error", repr(e), 0, 0, []))
 
 
+class EvaluationFailed(Exception):
+    """The games could not all be played: a process died or failed."""
+
+
 def summarize(scores: list[float]) -> dict:
     return {"mean": statistics.fmean(scores), "std": statistics.pstdev(scores), "min": min(scores),
             "max": max(scores), "median": statistics.median(scores)}
@@ -345,13 +388,14 @@ def file_sha256(path: Path) -> str | None:
         return None
 
 
-def card_claim(model: Path, env_id: str) -> dict | None:
+def card_claim(model: Path, env_id: str, sha256: str | None) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
 
     A card is ``<stem>.json`` next to the model file whose ``model_file`` names it (trained_models/ ships one per
     model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file"}``: ``evaluation`` is the
     card's entry for ``env_id`` (None where it has none) and ``same_file`` is False where the card's sha256 is not
-    this file's (a model replaced after its card was written, whose figures do not apply)."""
+    the played file's ``sha256`` (a model replaced after its card was written, whose figures do not apply). A card
+    whose ``evaluations`` is not a list of objects raises TypeError."""
     path = model.with_suffix(".json")
     try:
         card = json.loads(path.read_text())
@@ -359,8 +403,11 @@ def card_claim(model: Path, env_id: str) -> dict | None:
         return None
     if not isinstance(card, dict) or card.get("model_file") != model.name:
         return None
-    same_file = file_sha256(model) == card.get("sha256")
-    evaluation = next((e for e in card.get("evaluations", []) if e.get("env") == env_id), None)
+    same_file = sha256 is not None and sha256 == card.get("sha256")
+    evaluations = card.get("evaluations", [])
+    if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
+        raise TypeError("its 'evaluations' is not a list of objects")
+    evaluation = next((e for e in evaluations if e.get("env") == env_id), None)
     return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file}
 
 
@@ -416,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in (args.record, args.trace):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
-    log = setup_logger(f"eval.{file_stem(args)}", Path(args.log_dir) / f"{file_stem(args)}_mon_log")
+    log = setup_logger(f"eval.{file_stem(args)}", mon_log_path(args))
     proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
                      episodic_life=False)
     for k, v in sorted(vars(args).items()):
@@ -448,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"game {i + 1}/{n}: score {score:g}, length {length}", flush=True)
 
     procs = []
-    interrupted = False
+    interrupted, failure = False, None
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C stops the games (below)
     try:
         if args.workers == 1:
@@ -462,28 +509,49 @@ def main(argv: list[str] | None = None) -> int:
                 lifeline.start_child(p)
                 procs.append(p)
             while len(scores) < n:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise EvaluationFailed(f"an evaluation process ended with exit code {dead[0].exitcode}")
                 try:
                     item = queue.get(timeout=1.0)
-                except Exception:
-                    if any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError("an evaluation process died")
+                except queue_module.Empty:
+                    if all(p.exitcode is not None for p in procs) and queue.empty():
+                        raise EvaluationFailed("the evaluation processes ended before every game was reported")
                     continue
                 if item[0] == "error":
-                    raise RuntimeError(f"an evaluation process failed: {item[1]}")
+                    raise EvaluationFailed(f"an evaluation process failed: {item[1]}")
                 Results.put(item)
     except KeyboardInterrupt:
         interrupted = True
+    except EvaluationFailed as e:
+        failure = str(e)
     finally:
         bar.close()
         for p in procs:
-            p.join(timeout=5 if not interrupted else 1)
+            p.join(timeout=1 if interrupted or failure else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
     if interrupted:
         print(f"{PROG}: interrupted after {len(scores)} of {n} games", file=sys.stderr)
         return 130
+    if failure is not None:
+        log.info(f"failed after {len(scores)} of {n} games: {failure}")
+        print(f"{PROG}: error: {failure} after {len(scores)} of {n} games; nothing was summarised (the games "
+              f"played are in {mon_log_path(args)}): run the evaluation again", file=sys.stderr)
+        return 1
+    try:
+        return summarise_and_write(args, path, model_sha256, proto, log, start, scores, lengths, frames, points)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted after all {n} games, before the summary was written", file=sys.stderr)
+        return 130
 
+
+def summarise_and_write(args: argparse.Namespace, path: Path, model_sha256: str | None, proto: dict, log,
+                        start: float, scores: dict, lengths: dict, frames: dict, points: dict) -> int:
+    """The summary line, the points line, the card line and the JSON of the finished games; returns the exit code
+    (1 with one line where the JSON cannot be written)."""
+    n = args.num_episodes
     order = sorted(scores)
     score_list = [scores[i] for i in order]
     s = summarize(score_list)
@@ -503,12 +571,16 @@ def main(argv: list[str] | None = None) -> int:
         line = points_line(lost, n)
         log.info(line)
         print(line, flush=True)
-    claim = None if args.random_actions else card_claim(path, args.env)
+    claim = None
+    if not args.random_actions:
+        try:  # a hand-edited card must not cost the results
+            claim = card_claim(path, args.env, model_sha256)
+            if claim is not None:
+                claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            claim = {"path": str(path.with_suffix(".json")), "line": f"card: {path.with_suffix('.json')} is "
+                                                                      f"malformed ({e}): not compared"}
     if claim is not None:
-        try:
-            claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a hand-edited card must not cost the results
-            claim["line"] = f"card: {claim['path']} is malformed ({e!r}): not compared"
         log.info(claim["line"])
         print(claim["line"], flush=True)
     out = {"env": args.env, "model": None if args.random_actions else str(path), "model_sha256": model_sha256,
@@ -521,10 +593,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         out["videos"] = {str(Path(args.record) / f"{file_stem(args)}_game{i:03d}.mp4"): frames[i]
                          for i in order if frames[i]}
-    json_path = Path(args.json) if args.json else Path(args.log_dir) / f"{file_stem(args)}_eval.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(compact_json(out) + "\n")
-    print(f"summary written to {json_path}")
+    out_path = json_path(args)
+    try:
+        write_json_atomically(out_path, compact_json(out) + "\n")
+    except OSError as e:
+        print(f"{PROG}: error: the summary could not be written to {out_path} ({e.strerror or e}); the lines above "
+              "are this run's result: free space or pass --json PATH somewhere writable, and run again",
+              file=sys.stderr)
+        return 1
+    print(f"summary written to {out_path}")
     if args.record:
         print(f"{len(out['videos'])} video(s) written to {Path(args.record).resolve()}")
     if args.trace:

@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-from cli import validate_file
+from cli import validate_dir, validate_file
 
 PROG = "plot.py"
 
@@ -68,7 +68,7 @@ def read_results(path: Path) -> dict:
     from datetime import datetime
     steps, score, times = [], [], []
     total = 0
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # a byte that is not UTF-8 makes its line fail below, by number
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -78,6 +78,8 @@ def read_results(path: Path) -> dict:
                 total += int(length)
                 steps.append(total)
                 score.append(float(value))
+                if not math.isfinite(score[-1]):
+                    raise ValueError
             except ValueError:
                 raise ValueError(f"{path} line {n} is not a results.txt line (YYYY-MM-DD HH:MM:SS, score, "
                                  f"length): {line.strip()[:80]!r}") from None
@@ -98,9 +100,12 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
     if path.name == "results.txt":
         return read_results(path)
     warnings = [] if warnings is None else warnings
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [(reader.line_num, r) for r in reader]
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [(reader.line_num, r) for r in reader]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path} is not a monitor CSV ({e})") from None
     cut = [line for line, r in rows if None in r.values()]
     if cut and rows[0][1].keys() >= {"global_steps", "score", "elapsed_s"}:
         warnings.append(f"{path} line{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}: cut short (its run "
@@ -122,6 +127,8 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
             if None in r:  # more values than columns
                 raise ValueError
             game = int(r["global_steps"]), float(r["score"]), float(r["elapsed_s"]) / 3600
+            if not (math.isfinite(game[1]) and math.isfinite(game[2])):
+                raise ValueError
         except ValueError:
             raise ValueError(f"{path} line {line} is not a monitor CSV row (global_steps, score and elapsed_s "
                              f"as numbers, one value per column)") from None
@@ -269,6 +276,13 @@ def label_for(path: Path) -> tuple[str, str]:
     return env, run or env
 
 
+def default_out(paths: list[tuple[Path, ...]]) -> str:
+    """Where the figure goes without ``--out``: ``runs/<env>_curves.png``, the alphabetically first env among the
+    runs (named by their files)."""
+    envs = sorted(label_for(path[0])[0] for path in paths)
+    return str(Path("runs") / f"{envs[0].replace('/', '_')}_curves.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     from cli import Parser
     p = Parser(prog=PROG, description="Plot monitor learning curves.")
@@ -302,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     elif args.out is not None and args.figure:
         errors += validate_file(args.out, "--out")
+    elif args.figure and paths:
+        args.out = default_out(paths)
+        if Path(args.out).is_dir():
+            errors.append(f"'{args.out}', where the figure goes by default, is a folder: move it away or pass "
+                          "--out PATH")
+        else:
+            errors += [f"{e}; or pass --out PATH" for e in validate_dir(str(Path(args.out).parent),
+                                                                       "the figure's default folder")]
     errors += [f"--levels must be finite numbers, got {level}" for level in args.levels if not math.isfinite(level)]
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
@@ -372,8 +394,6 @@ def main(argv: list[str] | None = None) -> int:
     run_names = [r for r in dict.fromkeys(runs) if r not in envs]
     shown = list(args.labels) if args.labels else run_names
     title = args.title or ", ".join(sorted(envs)) + (f": {', '.join(shown)}" if shown else "")
-    if args.out is None:
-        args.out = str(Path("runs") / f"{sorted(envs)[0].replace('/', '_')}_curves.png")
     fig.suptitle(title)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

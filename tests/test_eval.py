@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_entry
+from conftest import ROOT, run_entry, session_processes
 from model import expected_shapes
 
 SHORT = ["--hidden-size", "32", "--max-episode-length", "60", "--env-config", str(ROOT / "config.json")]
@@ -323,6 +323,15 @@ def test_bad_inputs(tmp_path, model_dir):
     assert "plays without a model: drop --hidden-size" in bad_eval(tmp_path, *no_model, "--hidden-size", "32")
     assert "drop --trace or --random-actions" in bad_eval(tmp_path, *no_model, "--trace", str(tmp_path / "traces"))
     assert not (tmp_path / "traces").exists()
+    assert bad_eval(tmp_path, *no_model, "--seed", "-5") == (
+        "gym_eval.py: error: --seed must be between 0 and 4294967295, got -5")
+    assert bad_eval(tmp_path, *no_model, "--seed", "4294967290", "--num-episodes", "10") == (
+        "gym_eval.py: error: --seed 4294967290 + --num-episodes 10: game i is seeded with seed + i, which must stay "
+        "below 4294967296: pass a smaller --seed")
+    assert bad_eval(tmp_path, *no_model, "--render", "--record", str(tmp_path / "videos"),
+                    env_extra={"DISPLAY": ":0"}) == (
+        "gym_eval.py: error: --render shows the games in a window and --record writes them to files: use one of them")
+    assert not (tmp_path / "videos").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -340,6 +349,89 @@ def test_outputs_and_model_paths_are_checked_before_any_game(tmp_path, model_dir
     line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--hidden-size", "32", *flags)
     assert line == f"gym_eval.py: error: {message.format(tmp=tmp_path)}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "afile", "models"]  # no game, no log
+
+
+@pytest.mark.parametrize("name, message", [
+    ("PongNoFrameskip-v4_eval.json", "'{logs}/PongNoFrameskip-v4_eval.json' is a folder, where the summary JSON would "
+                                     "be written: move it away, or pass --json PATH"),
+    ("PongNoFrameskip-v4_mon_log", "'{logs}/PongNoFrameskip-v4_mon_log' is a folder, where the games would be logged: "
+                                   "move it away, or pass --log-dir DIR")])
+def test_a_folder_in_place_of_a_default_output_is_refused_before_any_game(tmp_path, model_dir, name, message):
+    logs = tmp_path / "logs"
+    (logs / name).mkdir(parents=True)
+    r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(logs),
+                  "--num-episodes", "1", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr == f"gym_eval.py: error: {message.format(logs=logs)}\n"
+    assert [p.name for p in logs.iterdir()] == [name]  # no game played, nothing logged
+
+
+def test_a_malformed_card_costs_nothing_but_the_comparison(tmp_path, model_dir):
+    """A hand-edited card whose evaluations are not a list: the games are summarised and written, and the card
+    line says it is malformed."""
+    (model_dir / "PongNoFrameskip-v4.json").write_text(json.dumps(
+        {"model_file": "PongNoFrameskip-v4.dat", "env": "PongNoFrameskip-v4", "evaluations": None}))
+    out, r = evaluate(tmp_path, model_dir, "card", "--num-episodes", "1")
+    assert out["episodes"] == 1 and len(out["scores"]) == 1 and "Traceback" not in r.stderr
+    line = f"card: {model_dir / 'PongNoFrameskip-v4.json'} is malformed (its 'evaluations' is not a list of objects): " \
+           "not compared"
+    assert line in r.stdout.splitlines() and out["card"]["line"] == line
+
+
+def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, monkeypatch, capsys):
+    """The disk fills while the JSON is written: one line, exit 1, the previous JSON as it was, no temporary file."""
+    import errno
+    import gym_eval
+    out = tmp_path / "out" / "keep.json"
+    out.parent.mkdir()
+    out.write_text('{"a previous": "summary"}\n')
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gym_eval.os, "fsync", full)
+    code = gym_eval.main([*SHORT[2:], "--random-actions", "--num-episodes", "2", "--log-dir", str(tmp_path / "logs"),
+                          "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.err == (
+        f"gym_eval.py: error: the summary could not be written to {out} (No space left on device); the lines above "
+        "are this run's result: free space or pass --json PATH somewhere writable, and run again\n")
+    assert "2 games, mean" in captured.out
+    assert out.read_text() == '{"a previous": "summary"}\n' and [p.name for p in out.parent.iterdir()] == ["keep.json"]
+
+
+def test_an_evaluation_process_killed_mid_run_ends_it_in_one_line(tmp_path):
+    """kill -9 of one of two evaluation processes: one line naming it, exit 1, no process left, no JSON."""
+    import psutil
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "gym_eval.py"), *SHORT[2:], "--random-actions", "--workers",
+                             "2", "--num-episodes", "40", "--max-episode-length", "2000", "--log-dir",
+                             str(tmp_path / "logs"), "--json", str(tmp_path / "out.json")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("game "):
+                break
+        victim = next(c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())
+                      or "a3g eval" in " ".join(c.cmdline()))  # a player, not multiprocessing's resource tracker
+        victim.kill()
+        out, err = proc.communicate(timeout=120)
+        deadline = time.time() + 10  # multiprocessing's resource tracker ends on its own once its pipe closes
+        while session_processes(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        left = session_processes(proc.pid)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    lines = err.splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err
+    assert lines[0].startswith("gym_eval.py: error: an evaluation process ended with exit code -9 after ")
+    assert lines[0].endswith(f" of 40 games; nothing was summarised (the games played are in "
+                             f"{tmp_path / 'logs' / 'PongNoFrameskip-v4_random_mon_log'}): run the evaluation again")
+    assert not (tmp_path / "out.json").exists() and not left, left
 
 
 def interrupted_while_importing(tmp_path, module: str, script: str, *args: str) -> tuple[int, str]:
@@ -422,6 +514,36 @@ def test_plot_checks_its_outputs_and_levels_before_reading(tmp_path, flags, mess
     r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), *[f.format(tmp=tmp_path) for f in flags], cwd=tmp_path)
     assert r.returncode == 2 and not r.stdout
     assert r.stderr == f"plot.py: error: {message.format(tmp=tmp_path)}\n"
+
+
+@pytest.mark.parametrize("content, why", [
+    (HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n1e9,20.0,2000,nan,100,1.0,0,\n", "line 3 is not a monitor CSV row"),
+    (HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n1e9,inf,2000,-20,100,1.0,0,\n", "line 3 is not a monitor CSV row"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "is not a monitor CSV ('utf-8' codec can't decode byte 0x89"),
+    (HEADER + "\n1e9,10.0,1000," + "1" * 200000 + ",100,1.0,0,\n", "is not a monitor CSV (field larger than field limit")],
+    ids=["nan score", "inf time", "binary", "overlong field"])
+def test_plot_refuses_a_file_that_is_not_a_clean_monitor_csv_in_one_line(tmp_path, content, why):
+    """Not-a-number scores, a binary file, an overlong field: one line naming the file, not a table of dashes or a
+    traceback."""
+    path = tmp_path / "a_monitor.csv"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    r = run_entry("plot.py", str(path), "--no-figure", cwd=tmp_path)
+    assert r.returncode == 2 and not r.stdout and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"plot.py: error: {path} {why}")
+
+
+def test_plot_checks_its_default_output_before_reading(tmp_path):
+    (tmp_path / "a_monitor.csv").write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n")
+    (tmp_path / "runs" / "a_curves.png").mkdir(parents=True)
+    r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == ("plot.py: error: 'runs/a_curves.png', where the figure goes by default, "
+                                              "is a folder: move it away or pass --out PATH\n")
+    (tmp_path / "runs" / "a_curves.png").rmdir()
+    (tmp_path / "runs").rmdir()
+    (tmp_path / "runs").write_text("a file")
+    r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == ("plot.py: error: the figure's default folder 'runs' is a file, not a "
+                                              "folder; or pass --out PATH\n")
 
 
 def test_plot_ctrl_c_while_drawing_exits_130_in_one_line(tmp_path):

@@ -232,6 +232,13 @@ def test_an_output_folder_that_cannot_be_made_or_written(tmp_path, flag):
     assert not (tmp_path / "models").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_out_of_range(tmp_path, seed):
+    """gymnasium refuses a negative seed inside the workers: refused here first, in one line."""
+    (line,) = bad(tmp_path, "--seed", seed)
+    assert line == f"main.py: error: --seed must be between 0 and 4294967295, got {seed}"
+
+
 @pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--target-score", "nan"), ("--gamma", "nan")])
 def test_a_number_that_is_not_finite(tmp_path, flag, value):
     (line,) = bad(tmp_path, flag, value)

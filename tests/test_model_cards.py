@@ -509,7 +509,7 @@ def test_gym_eval_finds_a_model_by_its_own_name_or_by_a_cards_default_for(tmp_pa
 def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
     """gym_eval.py's helpers on the shipped card: the claim for each env, no card, a replaced model file."""
     from environment import protocol
-    from gym_eval import card_claim, card_line
+    from gym_eval import card_claim, card_line, file_sha256
 
     card = json.loads((ROOT / "trained_models" / "PongNoFrameskip-v4.json").read_text())
     model = repo_copy / "trained_models" / "PongNoFrameskip-v4.dat"
@@ -517,7 +517,7 @@ def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
 
     def line(env, **proto_args):
         proto = protocol(env, **{"max_episode_length": 10000, "skip_rate": 4, "episodic_life": False, **proto_args})
-        return card_line(card_claim(model, env), env, 2, run, proto, "fp32")
+        return card_line(card_claim(model, env, file_sha256(model)), env, 2, run, proto, "fp32")
 
     for e in card["evaluations"]:
         assert line(e["env"]) == (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} "
@@ -529,17 +529,20 @@ def test_card_claim_and_line_in_every_case(repo_copy, tmp_path):
     alone = tmp_path / "elsewhere" / "PongNoFrameskip-v4.dat"
     alone.parent.mkdir()
     alone.symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
-    assert card_claim(alone, card["env"]) is None  # no card: nothing is printed
+    assert card_claim(alone, card["env"], file_sha256(alone)) is None  # no card: nothing is printed
     (alone.parent / "PongNoFrameskip-v4.json").write_text(json.dumps({"env": "an eval summary, not a card"}))
-    assert card_claim(alone, card["env"]) is None
+    assert card_claim(alone, card["env"], file_sha256(alone)) is None
 
     replaced = tmp_path / "replaced"
     replaced.mkdir()
     shutil.copy(repo_copy / "trained_models" / "PongNoFrameskip-v4.json", replaced)
     (replaced / "PongNoFrameskip-v4.dat").write_bytes(b"a model trained over the shipped one")
-    claim = card_claim(replaced / "PongNoFrameskip-v4.dat", card["env"])
+    claim = card_claim(replaced / "PongNoFrameskip-v4.dat", card["env"], file_sha256(replaced / "PongNoFrameskip-v4.dat"))
     assert card_line(claim, card["env"], 2, run, {}, "fp32").endswith("describes another file (its sha256 differs): "
                                                                       "not compared")
+    shipped_sha = file_sha256(model)  # the card's sha256 is compared with the file played, not read again later
+    assert card_claim(replaced / "PongNoFrameskip-v4.dat", card["env"], shipped_sha)["same_file"]
+    assert not card_claim(model, card["env"], None)["same_file"]
 
 
 @pytest.mark.parametrize("env", ["Pong-v0", "ALE/Pong-v5", "PongNoFrameskip-v0"])
