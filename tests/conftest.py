@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,25 @@ def collect_batch(predictor, stepper, segments, size: int, tries: int = 500) -> 
             break
     assert len(batch) == size, "the predictor closed no segments"
     return batch
+
+
+def processes_left(sid: int, seconds: float = 10.0) -> list:
+    """The processes of session ``sid`` still alive after waiting up to ``seconds`` for them to end
+    (multiprocessing's resource tracker ends on its own, shortly after the last process holding its pipe)."""
+    deadline = time.time() + seconds
+    while session_processes(sid) and time.time() < deadline:
+        time.sleep(0.2)
+    return session_processes(sid)
+
+
+def kill_session(proc) -> None:
+    """SIGKILL to the process group of ``proc`` (started with ``start_new_session=True``), then reap it."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
 
 
 def session_processes(sid: int) -> list:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_entry, session_processes
+from conftest import ROOT, kill_session, processes_left, run_entry, session_processes
 
 
 @pytest.mark.slow  # 70 s: every part of the benchmark runs, each a few seconds
@@ -261,13 +261,6 @@ def test_ctrl_c_exits_130_in_one_line_and_leaves_no_process(tmp_path, script, fl
         _, err = proc.communicate(timeout=40)
         assert proc.returncode == 130, err[-2000:]
         assert err == f"{script}: interrupted\n"
-        deadline = time.time() + 10
-        while session_processes(proc.pid) and time.time() < deadline:
-            time.sleep(0.2)
-        assert not session_processes(proc.pid), "a child process was left running"
+        assert not processes_left(proc.pid), "a child process was left running"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
+        kill_session(proc)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_entry, session_processes
+from conftest import ROOT, kill_session, processes_left, run_entry
 from model import expected_shapes
 
 SHORT = ["--hidden-size", "32", "--max-episode-length", "60", "--env-config", str(ROOT / "config.json")]
@@ -416,16 +416,9 @@ def test_an_evaluation_process_killed_mid_run_ends_it_in_one_line(tmp_path):
                       or "a3g eval" in " ".join(c.cmdline()))  # a player, not multiprocessing's resource tracker
         victim.kill()
         out, err = proc.communicate(timeout=120)
-        deadline = time.time() + 10  # multiprocessing's resource tracker ends on its own once its pipe closes
-        while session_processes(proc.pid) and time.time() < deadline:
-            time.sleep(0.2)
-        left = session_processes(proc.pid)
+        left = processes_left(proc.pid)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
+        kill_session(proc)
     lines = err.splitlines()
     assert proc.returncode == 1 and len(lines) == 1, err
     assert lines[0].startswith("gym_eval.py: error: an evaluation process ended with exit code -9 after ")

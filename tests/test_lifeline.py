@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, session_processes
+from conftest import ROOT, processes_left
 
 SCRIPT = textwrap.dedent("""
     import multiprocessing as mp
@@ -195,7 +195,4 @@ def test_a_ctrl_c_caught_by_another_thread_during_a_start_leaves_no_traceback(tm
         assert err == "starter: interrupted\n" and out == ""
     else:
         assert err == "" and out == "interrupted; the child's exit code: -9\n", out + err
-    deadline = time.time() + 10
-    while session_processes(proc.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not session_processes(proc.pid), "the child was left running"
+    assert not processes_left(proc.pid), "the child was left running"
