@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import pickle
 import re
@@ -137,7 +138,7 @@ def _pid_alive(pid: int) -> bool:
 class RunLock:
     """An exclusive ``flock`` on ``<folder>/.lock`` for one run's life; the file records the holder's pid."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, flag: str = "--save-model-dir"):
         self.folder = Path(folder)
         self.path = self.folder / ".lock"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -148,7 +149,7 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
             raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to stop, "
-                                 f"or pass --save-model-dir DIR with another folder") from None
+                                 f"or pass {flag} DIR with another folder") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -207,6 +208,15 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     def bad(field: str, what: str):
         raise ModelFileError(f"checkpoint {path} is damaged: '{field}' {what}")
 
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    version = ckpt.get("version", CHECKPOINT_VERSION)
+    if not count(version):
+        bad("version", "is not a version number")
+    if version > CHECKPOINT_VERSION:
+        raise ModelFileError(f"checkpoint {path} is of format version {version}, newer than this code's "
+                             f"{CHECKPOINT_VERSION}: update the repository (git pull) to resume it")
     steps = ckpt.get("global_steps", 0)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         bad("global_steps", "is not a step count")
@@ -217,12 +227,24 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     if norm is not None and not (torch.is_tensor(norm) and norm.dim() == 2 and norm.shape[1] == 3
                                  and norm.shape[0] >= 2):
         bad("norm_stats", "is not a (processes, 3) tensor")
+    if not math.isfinite(elapsed) or elapsed < 0:
+        bad("elapsed_seconds", "is not a time")
     monitor = ckpt.get("monitor")
-    if monitor is not None and not (torch.is_tensor(monitor) and tuple(monitor.shape) == (3,)):
-        bad("monitor", "is not a (3,) tensor")
+    if monitor is not None and not (torch.is_tensor(monitor) and tuple(monitor.shape) == (3,)
+                                    and monitor.is_floating_point() and bool(torch.isfinite(monitor[:2]).all())
+                                    and monitor[0].item() >= 0 and monitor[0].item() == int(monitor[0].item())
+                                    and not math.isnan(monitor[2].item())):
+        bad("monitor", "is not a (3,) tensor of games, their score sum and the best score")
     recent = ckpt.get("recent_scores", [])
-    if not isinstance(recent, (list, tuple)) or not all(isinstance(x, (int, float)) for x in recent):
+    if not isinstance(recent, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                        and math.isfinite(x) for x in recent):
         bad("recent_scores", "is not a list of scores")
+    config = ckpt.get("config")
+    if config is not None and not (isinstance(config, dict) and all(isinstance(k, str) for k in config)):
+        bad("config", "is not a dict of flags")
+    for field in ("ga3c_updates", "ga3c_episodes"):
+        if field in ckpt and not count(ckpt[field]):
+            bad(field, "is not a count")
     opt = ckpt.get("optimizer")
     if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
                                 and isinstance(opt.get("param_groups"), list)

@@ -54,6 +54,7 @@ from modes import Mode  # noqa: E402
 from run_state import StartError  # noqa: E402
 from schedules import linear_anneal  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
+from test import csv_path  # noqa: E402
 from utils import safe_name, setup_logger  # noqa: E402
 
 
@@ -66,9 +67,40 @@ def find_resume_file(args: Namespace) -> Path | None:
 
 
 def fail(errors: list[str]) -> None:
+    """Each of ``errors`` in one line, then exit 2; nothing when there are none."""
+    if not errors:
+        return
     for e in errors:
         print(f"main.py: error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def resume_problems(ckpt: dict, path: Path, args: Namespace, n_actions: int) -> list[str]:
+    """Why the checkpoint at ``path`` cannot be resumed with these flags, found before anything is written: its
+    optimizer statistics, where this run would load them, do not fit the model."""
+    errors = []
+    opt_state = ckpt.get("optimizer")
+    if args.shared_optimizer and opt_state is not None and ckpt.get("optimizer_name") == args.optimizer:
+        probe = make_optimizer(args.optimizer, A3Clstm(1, n_actions, args.hidden_size).parameters(), args.lr,
+                               args.amsgrad, shared=True)  # the class the run loads them into, with its checks
+        try:
+            probe.load_state_dict(opt_state)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as e:
+            errors.append(f"--load: {path}: its optimizer statistics do not fit this model ({str(e)[:160]}): the "
+                          f"checkpoint is damaged, or pass --optimizer with another optimizer to start its "
+                          f"statistics afresh")
+    return errors
+
+
+def target_met_line(ckpt: dict, args: Namespace) -> str:
+    """A line for a resumed run whose checkpoint's last ``--score-window`` monitor games already meet
+    ``--target-score`` (it will stop after its first game); else ''."""
+    recent = [float(x) for x in ckpt.get("recent_scores", [])][-args.score_window:]
+    if args.target_score is None or len(recent) < args.score_window or sum(recent) / len(recent) < args.target_score:
+        return ""
+    return (f"the checkpoint's last {len(recent)} monitor games already average {sum(recent) / len(recent):.2f}, at "
+            f"--target-score {args.target_score:g}: this run stops after its first monitor game (to train on, "
+            f"resume with a higher --target-score, or none)")
 
 
 BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
@@ -77,8 +109,9 @@ BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
 def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     """The command that continues this run: its own flags without any ``--load``/``--load-model-dir`` (so it
     resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with twice
-    that budget."""
+    that budget; after ``--target-score`` was reached, without it (the restored games already meet it)."""
     reached = reason.startswith("reached --max-steps")
+    target = reason.startswith("reached --target-score")
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
@@ -86,7 +119,8 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
         if name in ("--load", "-ld", "--no-load"):
             i += 2 if not has_value and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS else 1
             continue
-        if name in ("--load-model-dir", "-lmd") or (reached and name == "--max-steps"):
+        if name in ("--load-model-dir", "-lmd") or (reached and name == "--max-steps") or (
+                target and name == "--target-score"):
             i += 1 if has_value else 2
             continue
         out.append(a)
@@ -219,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
                      else f"--max-steps {args.max_steps:,}")
             fail([f"--load: {resume_path} is at {done:,} global steps, already at {limit}: pass a larger "
                   f"{'--lr-anneal-steps' if 'anneal' in limit else '--max-steps (0: no limit)'} to train on"])
+        if resume_ckpt is not None:
+            fail(resume_problems(resume_ckpt, resume_path, args, n_actions))
     same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
+    if not (args.load and same_dir) and csv_path(args.log_dir, args.env).exists():
+        fail([f"{csv_path(args.log_dir, args.env)} exists, an earlier run's monitor games, and this run would add its "
+              f"own to them: to continue that run, pass --load (with its --save-model-dir); to start afresh, pass "
+              f"--log-dir DIR with another folder"])
     if not (args.load and same_dir):
         existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                     if p.exists()]
@@ -254,16 +294,23 @@ def main(argv: list[str] | None = None) -> int:
                 os._exit(stop.exit_code)
             return stop.exit_code
     Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
+    locks = []
     try:
-        lock = RunLock(args.save_model_dir)
+        locks.append(RunLock(args.save_model_dir))
+        if Path(args.log_dir).resolve() != Path(args.save_model_dir).resolve():
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            locks.append(RunLock(args.log_dir, "--log-dir"))
     except RunLockedError as e:
+        for lock in locks:
+            lock.release()
         if ray_module is not None:
             ray_module.shutdown()
         fail([str(e)])
     try:
         code = run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path, ray_module)
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
     if ray_module is not None:
         from multinode.run import shutdown_hung
         if shutdown_hung():  # Ray's shutdown waits on processes a stop signal killed: its exit handler would too
@@ -333,7 +380,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
         for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
-                     train_envs_change_line(saved_config, args)):
+                     train_envs_change_line(saved_config, args), target_met_line(resume_ckpt, args)):
             if line:
                 log.info(line)
         was = saved_config.get("compute_precision", "fp32")

@@ -7,7 +7,9 @@ workers' time instead of a core.
 Per game it writes the upstream line to ``<log-dir>/<env>_log`` (appended), one row to
 ``<log-dir>/<env>_monitor.csv``, a console line with global steps and steps/s, and, with
 ``--tensorboard-logger``, scalars under ``charts/``. It writes ``<save-model-dir>/<env>.dat`` after every game
-(with ``--save-max`` only when the score is >= the best so far, best starting at 0 as upstream).
+(with ``--save-max`` only when the score is >= the best so far, best starting at 0 as upstream). A resumed run's
+best so far is the best of its checkpoint's and of every game in the CSV: a run killed between a new best game
+and its next checkpoint saved that game's model, which a lower score must not replace.
 """
 from __future__ import annotations
 
@@ -39,6 +41,25 @@ def csv_path(log_dir: str | Path, env_id: str) -> Path:
 
 def log_path(log_dir: str | Path, env_id: str) -> Path:
     return Path(log_dir) / f"{safe_name(env_id)}_log"
+
+
+def best_logged_score(path: Path) -> float | None:
+    """The highest score of the games in the monitor CSV at ``path`` (rows that do not parse, such as one cut
+    short by a kill, are skipped); None without a file or a game. A row is written before its game's model is
+    saved, so every saved model's score is here."""
+    best = None
+    try:
+        with open(path, newline="", errors="replace") as f:
+            for row in csv.DictReader(f):
+                try:
+                    score = float(row.get("score") or "nan")
+                except (TypeError, ValueError):
+                    continue
+                if math.isfinite(score) and (best is None or score > best):
+                    best = score
+    except (OSError, csv.Error):
+        return best
+    return best
 
 
 def open_csv(path: Path):
@@ -76,13 +97,14 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     console = setup_logger("monitor.console", None, console=True)
     for k, v in config_dict(args).items():
         log.info(f"{k}: {v}")
+    logged_best = best_logged_score(csv_path(args.log_dir, args.env))
     f, writer = open_csv(csv_path(args.log_dir, args.env))
     tb = None
     if args.tensorboard_logger:
         from torch.utils.tensorboard import SummaryWriter
         tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
     start = time.time()
-    best_saved = 0.0 if run.monitor[2].item() == -math.inf else max(0.0, run.monitor[2].item())
+    best_saved = max(0.0, run.monitor[2].item(), -math.inf if logged_best is None else logged_best)
     last_t, last_steps = start, run.global_steps.value
     seed = args.seed + run.workers
     run.mark_ready(run.monitor_slot)

@@ -19,6 +19,7 @@ repeated variants are ``slow`` (``pytest -m slow``).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import re
@@ -655,6 +656,19 @@ def broken_checkpoint(kind: str, path: Path) -> None:
         path.write_bytes(data[: len(data) // 2])
     elif kind == "garbage":
         path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    elif kind == "newer-version":
+        torch.save({**good, "version": 2, "a field of version 2": 1}, path)
+    elif kind == "config-is-a-list":
+        torch.save({**good, "config": ["x"]}, path)
+    elif kind == "ga3c-updates-is-a-word":
+        torch.save({**good, "ga3c_updates": "many"}, path)
+    elif kind == "monitor-has-nan-games":
+        torch.save({**good, "monitor": torch.tensor([math.nan, 0.0, -math.inf], dtype=torch.float64)}, path)
+    elif kind == "optimizer-of-another-model":
+        from shared_optim import make_optimizer
+        small = torch.nn.Linear(2, 2)
+        torch.save({**good, "optimizer": make_optimizer("Adam", small.parameters(), 1e-4).state_dict(),
+                    "optimizer_name": "Adam"}, path)
     else:
         raise ValueError(kind)
 
@@ -689,6 +703,15 @@ def broken_file_case(tmp_path, entry: str, kind: str):
 @pytest.mark.parametrize("kind", ["no-model-key", "model-is-a-list"])
 def test_broken_checkpoint_is_bad_input(tmp_path, entry, kind):
     broken_file_case(tmp_path, entry, kind)
+
+
+@pytest.mark.parametrize("kind", ["newer-version", "config-is-a-list", "ga3c-updates-is-a-word",
+                                  "monitor-has-nan-games", "optimizer-of-another-model"])
+def test_a_checkpoint_that_cannot_be_resumed_is_bad_input(tmp_path, kind):
+    """Fields a resume reads (a format newer than the code, a damaged one, optimizer statistics of another model):
+    one line naming the file, exit 2, nothing written, before the lock or the log. The model in it is fine, so
+    gym_eval.py plays it."""
+    broken_file_case(tmp_path, "main.py", kind)
 
 
 @pytest.mark.slow

@@ -558,3 +558,71 @@ def test_a_resume_says_why_the_optimizer_statistics_start_fresh(ckpt, argv, why)
     args = build_parser().parse_args(argv)
     validate(args)
     assert optimizer_not_resumed_line(ckpt, args) == f"optimizer statistics not resumed: {why}"
+
+
+def test_a_run_stopped_at_its_target_prints_a_resume_command_without_it(tmp_path):
+    """A run stopped at --target-score prints a resume command without it (its restored games would stop the
+    resumed run after one game); the same flags with --load say so and stop after that game."""
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path)
+    assert r.returncode == 0 and "reached --target-score -1000" in r.stdout, r.stderr[-2000:]
+    (command,) = [line.split("resume with: ", 1)[1] for line in r.stdout.splitlines() if "resume with: " in line]
+    assert "--target-score" not in command and "--score-window 2" in command and command.endswith(" --load")
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--load", cwd=tmp_path)
+    assert r.returncode == 0 and "reached --target-score -1000" in r.stdout, r.stderr[-2000:]
+    assert re.search(r"the checkpoint's last 2 monitor games already average -?\d+\.\d\d, at --target-score -1000: "
+                     r"this run stops after its first monitor game \(to train on, resume with a higher "
+                     r"--target-score, or none\)", r.stdout), r.stdout
+
+
+def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_is(tmp_path):
+    """Without --load, a log folder that holds a monitor CSV would get a second run's games appended (plot.py
+    would then drop the first run's): one line, nothing written."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "PongNoFrameskip-v4_monitor.csv").write_text("an earlier run's games\n")
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"main.py: error: {logs / 'PongNoFrameskip-v4_monitor.csv'} exists, an earlier run's monitor games, and this "
+        f"run would add its own to them: to continue that run, pass --load (with its --save-model-dir); to start "
+        f"afresh, pass --log-dir DIR with another folder\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    assert [p.name for p in logs.iterdir()] == ["PongNoFrameskip-v4_monitor.csv"]
+
+
+def test_a_log_folder_in_use_by_another_run_is_refused(tmp_path):
+    """Two runs with their own model folders and one --log-dir would interleave their monitor CSVs: the second
+    is refused in one line."""
+    from checkpoint import RunLock
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    held = RunLock(logs)  # what a running main.py holds
+    try:
+        r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
+    finally:
+        held.release()
+    assert r.returncode == 2 and r.stderr == (f"main.py: error: another run (pid {os.getpid()}) is writing to {logs}: "
+                                              f"wait for it to stop, or pass --log-dir DIR with another folder\n")
+    assert [p.name for p in logs.iterdir()] == [".lock"]
+
+
+def test_save_max_keeps_a_better_model_saved_after_the_last_checkpoint(tmp_path):
+    """A run killed after a new best game saved its model but before the next checkpoint: the checkpoint's best
+    is older. Resumed with --save-max, a game below that best (here 0: games cut at 30 steps end before Pong's
+    first point) must not replace the file; the best is read back from the monitor CSV."""
+    flags = [*TINY, *dirs(tmp_path), "--save-max", "--max-steps", "0", "--max-episode-length", "30",
+             "--target-score", "-1000", "--score-window"]
+    r = run_entry("main.py", *flags, "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    csv_path = tmp_path / "logs" / "PongNoFrameskip-v4_monitor.csv"
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [float(row["score"]) for row in rows] == [0.0, 0.0]
+    # the game that scored 5 after the last checkpoint, and the model it saved
+    with open(csv_path, "a") as f:
+        f.write(f"{time.time():.3f},99.0,{int(rows[-1]['global_steps']) + 10},5.0,100,1.0,0.6667,\n")
+    dat = tmp_path / "models" / "PongNoFrameskip-v4.dat"
+    best = dat.read_bytes()
+    r = run_entry("main.py", *flags, "4", "--load", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    scores = [float(row["score"]) for row in csv.DictReader(open(csv_path))]
+    assert len(scores) >= 4 and scores[3:] and max(scores[3:]) < 5, scores
+    assert dat.read_bytes() == best
