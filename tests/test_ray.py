@@ -737,6 +737,9 @@ def test_a_worker_that_dies_inside_a_node_ends_the_run(launch, tmp_path):
     """As on one machine: a training process that dies is a failure of the run (exit 1), reported by name."""
     run = launch(ray_args(tmp_path))
     run.poll_until(lambda: node_steps(run, 1) > 0, RAY_START_SECONDS, "node 1 training")
+    # node 0's worker may still be starting when node 1 reports its first steps (a busy machine)
+    run.poll_until(lambda: len([p for p in run.processes() if "a3g worker" in title(p)]) == 2, RAY_START_SECONDS,
+                   "both nodes' workers")
     workers = [p for p in run.processes() if "a3g worker" in title(p)]
     assert len(workers) == 2, describe(workers)
     fault = time.monotonic()
