@@ -136,11 +136,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``<folder>/.lock`` for one run's life; the file records the holder's pid."""
+    """An exclusive ``flock`` on ``<folder>/<name>`` (``.lock``) for one run's life; the file records the holder's
+    pid."""
 
-    def __init__(self, folder: str | Path, flag: str = "--save-model-dir"):
+    def __init__(self, folder: str | Path, flag: str = "--save-model-dir", name: str = ".lock"):
         self.folder = Path(folder)
-        self.path = self.folder / ".lock"
+        self.path = self.folder / name
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -211,6 +212,12 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     def count(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
+    def finite(x) -> bool:
+        try:
+            return math.isfinite(x)
+        except OverflowError:  # an int too large for a float
+            return False
+
     version = ckpt.get("version", CHECKPOINT_VERSION)
     if not count(version):
         bad("version", "is not a version number")
@@ -227,7 +234,7 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     if norm is not None and not (torch.is_tensor(norm) and norm.dim() == 2 and norm.shape[1] == 3
                                  and norm.shape[0] >= 2):
         bad("norm_stats", "is not a (processes, 3) tensor")
-    if not math.isfinite(elapsed) or elapsed < 0:
+    if not finite(elapsed) or elapsed < 0:
         bad("elapsed_seconds", "is not a time")
     monitor = ckpt.get("monitor")
     if monitor is not None and not (torch.is_tensor(monitor) and tuple(monitor.shape) == (3,)
@@ -237,11 +244,23 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
         bad("monitor", "is not a (3,) tensor of games, their score sum and the best score")
     recent = ckpt.get("recent_scores", [])
     if not isinstance(recent, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                        and math.isfinite(x) for x in recent):
+                                                        and finite(x) for x in recent):
         bad("recent_scores", "is not a list of scores")
     config = ckpt.get("config")
     if config is not None and not (isinstance(config, dict) and all(isinstance(k, str) for k in config)):
         bad("config", "is not a dict of flags")
+    config = config or {}
+    for key in ("env", "mode", "compute_precision"):  # the flags a resume compares with its own
+        if key in config and not isinstance(config[key], str):
+            bad(f"config.{key}", "is not a name")
+    train_envs = config.get("train_envs")
+    if train_envs is not None and not (isinstance(train_envs, list) and all(isinstance(e, str) for e in train_envs)):
+        bad("config.train_envs", "is not a list of env ids")
+    for key in ("lr_anneal_steps", "entropy_anneal_steps"):
+        if key in config and not count(config[key]):
+            bad(f"config.{key}", "is not a step count")
+    if config.get("train_batch") is not None and not count(config["train_batch"]):
+        bad("config.train_batch", "is not a count")
     for field in ("ga3c_updates", "ga3c_episodes"):
         if field in ckpt and not count(ckpt[field]):
             bad(field, "is not a count")

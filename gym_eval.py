@@ -262,7 +262,9 @@ def mon_log_path(args: argparse.Namespace) -> Path:
 
 def write_json_atomically(path: Path, text: str) -> None:
     """``text`` in ``path``, written whole to a temporary file beside it, flushed to disk, then renamed into place:
-    an existing file is replaced only by a complete one. The temporary file is removed when the write fails."""
+    an existing file is replaced only by a complete one (a symbolic link's target, which stays linked). The
+    temporary file is removed when the write fails."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -510,8 +512,16 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(p)
             while len(scores) < n:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise EvaluationFailed(f"an evaluation process ended with exit code {dead[0].exitcode}")
+                while dead and len(scores) < n:  # first whatever it reported before it ended
+                    try:
+                        item = queue.get(timeout=0.1)
+                    except queue_module.Empty:
+                        raise EvaluationFailed(f"an evaluation process ended with exit code {dead[0].exitcode}")
+                    if item[0] == "error":
+                        raise EvaluationFailed(f"an evaluation process failed: {item[1]}")
+                    Results.put(item)
+                if len(scores) == n:
+                    break
                 try:
                     item = queue.get(timeout=1.0)
                 except queue_module.Empty:

@@ -54,7 +54,7 @@ from modes import Mode  # noqa: E402
 from run_state import StartError  # noqa: E402
 from schedules import linear_anneal  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
-from test import csv_path  # noqa: E402
+from test import csv_path, logged_scores  # noqa: E402
 from utils import safe_name, setup_logger  # noqa: E402
 
 
@@ -73,6 +73,44 @@ def fail(errors: list[str]) -> None:
     for e in errors:
         print(f"main.py: error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def folders_to_make(path: Path) -> list[Path]:
+    """The folders ``path.mkdir(parents=True)`` would create, deepest first."""
+    out = []
+    path = path.absolute()
+    while not path.exists():
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def take_locks(args: Namespace) -> list[RunLock]:
+    """This run's locks: ``--save-model-dir``'s (``.lock``, one run per folder) and ``--log-dir``'s for this env
+    (``.<env>.lock``: runs of other envs may share a log folder, as upstream's ``logs/``), the folders made as
+    needed. Where another run holds either, raises ``RunLockedError`` with nothing of this attempt left on disk
+    (the folders and lock files it made are removed)."""
+    made = folders_to_make(Path(args.save_model_dir)) + folders_to_make(Path(args.log_dir))
+    wanted = [(Path(args.save_model_dir), "--save-model-dir", ".lock"),
+              (Path(args.log_dir), "--log-dir", f".{safe_name(args.env)}.lock")]
+    new_files = [folder / name for folder, _, name in wanted if not (folder / name).exists()]
+    locks = []
+    try:
+        for folder, flag, name in wanted:
+            folder.mkdir(parents=True, exist_ok=True)
+            locks.append(RunLock(folder, flag, name))
+    except RunLockedError:
+        for lock in locks:
+            lock.release()
+        for path in new_files:
+            path.unlink(missing_ok=True)
+        for folder in sorted(set(made), key=lambda p: len(p.parts), reverse=True):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
+    return locks
 
 
 def resume_problems(ckpt: dict, path: Path, args: Namespace, n_actions: int) -> list[str]:
@@ -256,20 +294,26 @@ def main(argv: list[str] | None = None) -> int:
         if resume_ckpt is not None:
             fail(resume_problems(resume_ckpt, resume_path, args, n_actions))
     same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
-    if not (args.load and same_dir) and csv_path(args.log_dir, args.env).exists():
-        fail([f"{csv_path(args.log_dir, args.env)} exists, an earlier run's monitor games, and this run would add its "
-              f"own to them: to continue that run, pass --load (with its --save-model-dir); to start afresh, pass "
-              f"--log-dir DIR with another folder"])
+    problems = []
+    games = logged_scores(csv_path(args.log_dir, args.env)) if not (args.load and same_dir) else []
+    if games:
+        how = ("pass --log-dir DIR with another folder, since this run resumes from --load-model-dir "
+               f"{args.load_model_dir} into another --save-model-dir" if args.load else
+               "to continue that run, pass --load (with its --save-model-dir); to start afresh, pass --log-dir DIR "
+               "with another folder")
+        problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) of an earlier run, "
+                        f"and this run would add its own to them: {how} (or move the file away)")
     if not (args.load and same_dir):
         existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                     if p.exists()]
         if existing and existing[0].is_dir():
-            fail([f"{existing[0]} is a folder where this run would write its model file: move it away, or pass "
-                  f"--save-model-dir DIR with another folder"])
-        if existing:
-            fail([f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass --load "
-                  f"(it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
-                  f"--save-model-dir DIR with another folder"])
+            problems.append(f"{existing[0]} is a folder where this run would write its model file: move it away, or "
+                            f"pass --save-model-dir DIR with another folder")
+        elif existing:
+            problems.append(f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass "
+                            f"--load (it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
+                            f"--save-model-dir DIR with another folder")
+    fail(problems)
     if stop.signal is not None:  # before anything is written
         print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
         return stop.exit_code
@@ -293,16 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.flush()
                 os._exit(stop.exit_code)
             return stop.exit_code
-    Path(args.save_model_dir).mkdir(parents=True, exist_ok=True)
-    locks = []
     try:
-        locks.append(RunLock(args.save_model_dir))
-        if Path(args.log_dir).resolve() != Path(args.save_model_dir).resolve():
-            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-            locks.append(RunLock(args.log_dir, "--log-dir"))
+        locks = take_locks(args)
     except RunLockedError as e:
-        for lock in locks:
-            lock.release()
         if ray_module is not None:
             ray_module.shutdown()
         fail([str(e)])

@@ -316,14 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--out must end in .png, .svg or .pdf, got '{args.out}'")
     elif args.out is not None and args.figure:
         errors += validate_file(args.out, "--out")
-    elif args.figure and paths:
-        args.out = default_out(paths)
-        if Path(args.out).is_dir():
-            errors.append(f"'{args.out}', where the figure goes by default, is a folder: move it away or pass "
-                          "--out PATH")
-        else:
-            errors += [f"{e}; or pass --out PATH" for e in validate_dir(str(Path(args.out).parent),
-                                                                       "the figure's default folder")]
+
     errors += [f"--levels must be finite numbers, got {level}" for level in args.levels if not math.isfinite(level)]
     if args.window < 1:
         errors.append(f"--window must be >= 1, got {args.window}")
@@ -347,6 +340,14 @@ def main(argv: list[str] | None = None) -> int:
             empty.append(str(e))
         except (ValueError, KeyError, OSError) as e:
             errors.append(str(e))
+    if args.figure and args.out is None and curves:  # named after the curves drawn; checked before drawing
+        args.out = default_out([path for path, _ in curves])
+        if Path(args.out).is_dir():
+            errors.append(f"'{args.out}', where the figure goes by default, is a folder: move it away or pass "
+                          "--out PATH")
+        else:
+            errors += [f"{e}; or pass --out PATH" for e in validate_dir(str(Path(args.out).parent),
+                                                                       "the figure's default folder")]
     if empty and not curves and not errors:
         errors += empty  # nothing to draw at all
     elif empty and args.labels is None:

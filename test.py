@@ -43,11 +43,10 @@ def log_path(log_dir: str | Path, env_id: str) -> Path:
     return Path(log_dir) / f"{safe_name(env_id)}_log"
 
 
-def best_logged_score(path: Path) -> float | None:
-    """The highest score of the games in the monitor CSV at ``path`` (rows that do not parse, such as one cut
-    short by a kill, are skipped); None without a file or a game. A row is written before its game's model is
-    saved, so every saved model's score is here."""
-    best = None
+def logged_scores(path: Path) -> list[float]:
+    """The scores of the games in the monitor CSV at ``path``, in order (rows that do not parse, such as one cut
+    short by a kill, are skipped); [] without a file."""
+    scores = []
     try:
         with open(path, newline="", errors="replace") as f:
             for row in csv.DictReader(f):
@@ -55,11 +54,17 @@ def best_logged_score(path: Path) -> float | None:
                     score = float(row.get("score") or "nan")
                 except (TypeError, ValueError):
                     continue
-                if math.isfinite(score) and (best is None or score > best):
-                    best = score
+                if math.isfinite(score):
+                    scores.append(score)
     except (OSError, csv.Error):
-        return best
-    return best
+        pass
+    return scores
+
+
+def best_logged_score(path: Path) -> float | None:
+    """The highest score in the monitor CSV at ``path`` (``logged_scores``); None without a game. A row is written
+    before its game's model is saved, so every saved model's score is there."""
+    return max(logged_scores(path), default=None)
 
 
 def open_csv(path: Path):

@@ -399,6 +399,18 @@ def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, mon
     assert out.read_text() == '{"a previous": "summary"}\n' and [p.name for p in out.parent.iterdir()] == ["keep.json"]
 
 
+def test_a_summary_json_that_is_a_link_is_written_through_it(tmp_path, capsys):
+    """--json naming a symbolic link: its target gets the summary, and the link stays a link."""
+    import gym_eval
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text('{"old": 1}\n')
+    link.symlink_to(real)
+    assert gym_eval.main([*SHORT[2:], "--random-actions", "--num-episodes", "1", "--log-dir", str(tmp_path / "logs"),
+                          "--json", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["episodes"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "logs", "real.json"]
+
+
 def test_an_evaluation_process_killed_mid_run_ends_it_in_one_line(tmp_path):
     """kill -9 of one of two evaluation processes: one line naming it, exit 1, no process left, no JSON."""
     import psutil
@@ -525,7 +537,7 @@ def test_plot_refuses_a_file_that_is_not_a_clean_monitor_csv_in_one_line(tmp_pat
     assert r.stderr.startswith(f"plot.py: error: {path} {why}")
 
 
-def test_plot_checks_its_default_output_before_reading(tmp_path):
+def test_plot_checks_its_default_output_before_drawing(tmp_path):
     (tmp_path / "a_monitor.csv").write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n")
     (tmp_path / "runs" / "a_curves.png").mkdir(parents=True)
     r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), cwd=tmp_path)
@@ -537,6 +549,13 @@ def test_plot_checks_its_default_output_before_reading(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr == ("plot.py: error: the figure's default folder 'runs' is a file, not a "
                                               "folder; or pass --out PATH\n")
+    # named after the curves drawn: not after a CSV skipped for having no games yet
+    (tmp_path / "runs").unlink()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "Aaa_monitor.csv").write_text(HEADER + "\n")
+    r = run_entry("plot.py", str(tmp_path / "b" / "Aaa_monitor.csv"), str(tmp_path / "a_monitor.csv"), cwd=tmp_path)
+    assert r.returncode == 0 and "wrote runs/a_curves.png" in r.stdout, r.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a_curves.png"]
 
 
 def test_plot_ctrl_c_while_drawing_exits_130_in_one_line(tmp_path):

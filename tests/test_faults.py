@@ -660,6 +660,10 @@ def broken_checkpoint(kind: str, path: Path) -> None:
         torch.save({**good, "version": 2, "a field of version 2": 1}, path)
     elif kind == "config-is-a-list":
         torch.save({**good, "config": ["x"]}, path)
+    elif kind == "config-values-of-another-type":
+        torch.save({**good, "config": {"env": 5, "train_envs": 7, "lr_anneal_steps": "x"}}, path)
+    elif kind == "elapsed-beyond-a-float":
+        torch.save({**good, "elapsed_seconds": 10 ** 400}, path)
     elif kind == "ga3c-updates-is-a-word":
         torch.save({**good, "ga3c_updates": "many"}, path)
     elif kind == "monitor-has-nan-games":
@@ -705,7 +709,8 @@ def test_broken_checkpoint_is_bad_input(tmp_path, entry, kind):
     broken_file_case(tmp_path, entry, kind)
 
 
-@pytest.mark.parametrize("kind", ["newer-version", "config-is-a-list", "ga3c-updates-is-a-word",
+@pytest.mark.parametrize("kind", ["newer-version", "config-is-a-list", "config-values-of-another-type",
+                                  "elapsed-beyond-a-float", "ga3c-updates-is-a-word",
                                   "monitor-has-nan-games", "optimizer-of-another-model"])
 def test_a_checkpoint_that_cannot_be_resumed_is_bad_input(tmp_path, kind):
     """Fields a resume reads (a format newer than the code, a damaged one, optimizer statistics of another model):

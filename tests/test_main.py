@@ -574,35 +574,64 @@ def test_a_run_stopped_at_its_target_prints_a_resume_command_without_it(tmp_path
                      r"--target-score, or none\)", r.stdout), r.stdout
 
 
-def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_is(tmp_path):
-    """Without --load, a log folder that holds a monitor CSV would get a second run's games appended (plot.py
-    would then drop the first run's): one line, nothing written."""
-    logs = tmp_path / "logs"
+def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_has_games(tmp_path):
+    """Without --load (or with --load from another folder), a log folder whose monitor CSV holds games would get a
+    second run's games appended (plot.py would then drop the first run's): one line, nothing written; with a model
+    in the save folder too, both problems at once. A CSV with its header only (a run killed before its first game)
+    does not stop a new run."""
+    from model import A3Clstm
+    logs, models, init = tmp_path / "logs", tmp_path / "models", tmp_path / "init"
     logs.mkdir()
-    (logs / "PongNoFrameskip-v4_monitor.csv").write_text("an earlier run's games\n")
+    csv_file = logs / "PongNoFrameskip-v4_monitor.csv"
+    csv_file.write_text("wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+                        "1795000000.000,10.0,150,-21.0,800,15.0,-21.0000,\n")
     r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr == (
-        f"main.py: error: {logs / 'PongNoFrameskip-v4_monitor.csv'} exists, an earlier run's monitor games, and this "
-        f"run would add its own to them: to continue that run, pass --load (with its --save-model-dir); to start "
-        f"afresh, pass --log-dir DIR with another folder\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
-    assert [p.name for p in logs.iterdir()] == ["PongNoFrameskip-v4_monitor.csv"]
+        f"main.py: error: {csv_file} holds 1 monitor game(s) of an earlier run, and this run would add its own to "
+        f"them: to continue that run, pass --load (with its --save-model-dir); to start afresh, pass --log-dir DIR "
+        f"with another folder (or move the file away)\n")
+    init.mkdir()
+    torch.save(A3Clstm(1, 6, 32).state_dict(), init / "PongNoFrameskip-v4.dat")
+    r = run_entry("main.py", *TINY, "--log-dir", str(logs), "--save-model-dir", str(models), "--load",
+                  "--load-model-dir", str(init), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"main.py: error: {csv_file} holds 1 monitor game(s) of an earlier run, and this run would add its own to "
+        f"them: pass --log-dir DIR with another folder, since this run resumes from --load-model-dir {init} into "
+        f"another --save-model-dir (or move the file away)\n")
+    models.mkdir()
+    (models / "PongNoFrameskip-v4.dat").write_bytes(b"an earlier model")
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--no-load", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 2 and "PongNoFrameskip-v4.dat exists" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init", "logs", "models"]
+    assert [p.name for p in logs.iterdir()] == [csv_file.name] and [p.name for p in models.iterdir()] == [
+        "PongNoFrameskip-v4.dat"]
+    (models / "PongNoFrameskip-v4.dat").unlink()
+    csv_file.write_text(csv_file.read_text().splitlines()[0] + "\n")
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(list(csv.DictReader(open(csv_file)))) == 2
 
 
-def test_a_log_folder_in_use_by_another_run_is_refused(tmp_path):
-    """Two runs with their own model folders and one --log-dir would interleave their monitor CSVs: the second
-    is refused in one line."""
+def test_a_log_folder_in_use_by_another_run_of_the_env_is_refused_and_nothing_is_left(tmp_path):
+    """Two runs of one env with their own model folders and one --log-dir would interleave their monitor CSVs: the
+    second is refused in one line, and the model folder it would have made is not left behind. A run of another
+    env may share the log folder (upstream's logs/)."""
     from checkpoint import RunLock
     logs = tmp_path / "logs"
     logs.mkdir()
-    held = RunLock(logs)  # what a running main.py holds
+    held = RunLock(logs, "--log-dir", ".PongNoFrameskip-v4.lock")  # what a running main.py holds
     try:
         r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
+        assert r.returncode == 2 and r.stderr == (
+            f"main.py: error: another run (pid {os.getpid()}) is writing to {logs}: wait for it to stop, or pass "
+            f"--log-dir DIR with another folder\n")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+        assert [p.name for p in logs.iterdir()] == [".PongNoFrameskip-v4.lock"]
+        r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--env", "BreakoutNoFrameskip-v4",
+                      cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
     finally:
         held.release()
-    assert r.returncode == 2 and r.stderr == (f"main.py: error: another run (pid {os.getpid()}) is writing to {logs}: "
-                                              f"wait for it to stop, or pass --log-dir DIR with another folder\n")
-    assert [p.name for p in logs.iterdir()] == [".lock"]
 
 
 def test_save_max_keeps_a_better_model_saved_after_the_last_checkpoint(tmp_path):
