@@ -643,15 +643,16 @@ def test_save_max_keeps_a_better_model_saved_after_the_last_checkpoint(tmp_path)
     r = run_entry("main.py", *flags, "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     csv_path = tmp_path / "logs" / "PongNoFrameskip-v4_monitor.csv"
-    rows = list(csv.DictReader(open(csv_path)))
-    assert [float(row["score"]) for row in rows] == [0.0, 0.0]
+    rows = list(csv.DictReader(open(csv_path)))  # 2 games (a 3rd may start before the stop on a fast machine)
+    assert len(rows) >= 2 and {float(row["score"]) for row in rows} == {0.0}
     # the game that scored 5 after the last checkpoint, and the model it saved
     with open(csv_path, "a") as f:
         f.write(f"{time.time():.3f},99.0,{int(rows[-1]['global_steps']) + 10},5.0,100,1.0,0.6667,\n")
     dat = tmp_path / "models" / "PongNoFrameskip-v4.dat"
     best = dat.read_bytes()
-    r = run_entry("main.py", *flags, "4", "--load", cwd=tmp_path)
+    r = run_entry("main.py", *flags, str(len(rows) + 2), "--load", cwd=tmp_path)  # 2 more games
     assert r.returncode == 0, r.stderr[-2000:]
     scores = [float(row["score"]) for row in csv.DictReader(open(csv_path))]
-    assert len(scores) >= 4 and scores[3:] and max(scores[3:]) < 5, scores
+    new = scores[len(rows) + 1:]
+    assert new and max(new) < 5, scores
     assert dat.read_bytes() == best
