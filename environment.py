@@ -173,7 +173,8 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
     game over, mid-episode, or with a seed) is a real one. A life lost on the step that a time limit truncates
     is still a termination (``terminated`` and ``truncated`` both true: the learner bootstraps 0 from it), and
     the reset after it is a real one, since the game was cut. ``info["game_over"]`` tells whether the game itself
-    ended (used to count games).
+    ended (used to count games). When the NOOP step of a reset ends the game (a time limit), the reset is a real
+    one and its ``info["game_cut"]`` is True: no ``step`` reported that game's end.
     """
 
     def __init__(self, env: gym.Env):
@@ -199,6 +200,7 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
             obs, _, terminated, truncated, info = self.env.step(0)
             if terminated or truncated:
                 obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))
+                info["game_cut"] = True
         else:
             obs, info = self.env.reset(**kwargs)
         self.life_lost = False
@@ -207,18 +209,28 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
 
 class FireReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
-    """Press FIRE (action 1) then action 2 after a reset, for games that wait for FIRE to start."""
+    """Press FIRE (action 1) then action 2 after a reset, for games that wait for FIRE to start.
+
+    When one of these steps ends a game (a time limit after a lost life, under ``EpisodicLife``), the game is
+    reset for real and the reset's ``info["game_cut"]`` is True, as ``EpisodicLife``'s own NOOP step sets it.
+    """
 
     def __init__(self, env: gym.Env):
         gym.utils.RecordConstructorArgs.__init__(self)
         gym.Wrapper.__init__(self, env)
 
     def reset(self, **kwargs):
-        self.env.reset(**kwargs)
+        _, first = self.env.reset(**kwargs)
+        cut = bool(first.get("game_cut", False))
         for action in FIRE_RESET_ACTIONS:
             obs, _, terminated, truncated, info = self.env.step(action)
+            if info.get("game_over", terminated or truncated):
+                cut = True
             if terminated or truncated:
                 obs, info = self.env.reset(**_reset_kwargs_without_seed(kwargs))
+                cut = cut or bool(info.get("game_cut", False))
+        if cut:
+            info["game_cut"] = True
         return obs, info
 
 

@@ -90,6 +90,7 @@ class EnvRunner:
         self.awaiting_final = False
         self.score = 0.0
         self.length = 0
+        self.cut = False
         self.norm = find_normalizer(env)
         if self.norm is not None:
             mean, std, count = buffers.norm_stats[slot].tolist()
@@ -97,11 +98,14 @@ class EnvRunner:
                 self.norm.set_stats(mean, std, int(count))
 
     def _reset(self):
+        """Reset the environment; returns its first observation. ``self.cut`` says whether a step taken inside
+        the reset ended the running game (``info["game_cut"]``, see ``EpisodicLife``): no ``step`` reported it."""
         if self.seed is not None:
-            obs, _ = self.env.reset(seed=self.seed)
+            obs, info = self.env.reset(seed=self.seed)
             self.seed = None
         else:
-            obs, _ = self.env.reset()
+            obs, info = self.env.reset()
+        self.cut = bool(info.get("game_cut", False))
         return obs
 
     def begin(self, timeout: float = 1.0) -> None:
@@ -138,8 +142,12 @@ class EnvRunner:
             self.score, self.length = 0.0, 0
             self.save_norm_stats()
         if terminated:
-            self.seq = self.buffers.submit(self.slot, self._reset(), reward=clipped, terminated=True,
-                                           episode_start=True)
+            obs = self._reset()
+            if self.cut and finished is None and self.length > 0:  # a time limit ended the game inside the reset
+                finished = (self.score, self.length)
+                self.score, self.length = 0.0, 0
+                self.save_norm_stats()
+            self.seq = self.buffers.submit(self.slot, obs, reward=clipped, terminated=True, episode_start=True)
         elif truncated:
             self.seq = self.buffers.submit(self.slot, obs, reward=clipped, truncated=True, final=True)
             self.awaiting_final = True

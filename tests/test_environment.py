@@ -206,6 +206,31 @@ def test_a_life_lost_on_the_time_limit_step_is_a_termination():
     assert truncated and not terminated  # cut with no life lost: bootstrap from V(s)
 
 
+@pytest.mark.parametrize("limit", [6, 7, 8, 9, 100])
+def test_a_game_cut_inside_the_reset_after_a_lost_life_is_counted_once(limit):
+    """Real resets press FIRE and 2 (fake steps 1-2), a life is lost at step 5, and the reset after it takes a NOOP,
+    FIRE and 2 (steps 6-8). A time limit on one of those ends the game inside the reset, where no ``step`` reports
+    it: the reset says so (``game_cut``) and a GA3C env slot counts the game then. A limit at step 9 cuts the next
+    learner step (reported by ``step``), and 100 cuts nothing."""
+    from ga3c.agent import EnvRunner
+    from ga3c.buffers import EnvSlots
+    inner = FakeAtari(life_every=5, lives=3)
+    env = environment.ProcessFrame(FireReset(EpisodicLife(gym.wrappers.TimeLimit(inner, max_episode_steps=limit))),
+                                   34, 34)
+    buffers = EnvSlots(1)
+    runner = EnvRunner(0, env, buffers)
+    runner.begin(timeout=0.0)
+    buffers.action[0] = 0
+    results = [runner.on_response() for _ in range(3)]  # learner steps 3, 4 and 5 (the life lost)
+    assert results[:2] == [(1, None), (1, None)]
+    cut_in_reset = limit in (6, 7, 8)
+    assert results[2] == (1, (3.0, 3) if cut_in_reset else None)
+    assert inner.resets == (2 if cut_in_reset else 1) and runner.cut is cut_in_reset
+    assert (runner.score, runner.length) == (0.0, 0) if cut_in_reset else (3.0, 3)
+    step = runner.on_response()  # fake step 9 (after a cut: step 3 of the new game)
+    assert step == (1, (4.0, 4) if limit == 9 else None)
+
+
 def test_fire_reset_presses_fire_then_2():
     inner = FakeAtari(life_every=1000)
     env = FireReset(inner)
