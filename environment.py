@@ -7,7 +7,7 @@ The stack, innermost first (see README, "Environment"):
    other ids skip frames in the emulator.
 2. A time limit of ``max_episode_length`` agent steps (``truncated``).
 3. ``EpisodicLife`` for learners: a lost life ends the learner's episode (``terminated``) but not the game.
-4. ``FireReset`` when the game has a FIRE action.
+4. ``FireReset`` when the game's action 1 is FIRE (``presses_fire``).
 5. ``ProcessFrame``: crop, resize to 80x80, grayscale -> float32 (1, 80, 80) in 0..255.
 6. ``NormalizeFrame``: running scalar mean/std normalisation, per process.
 
@@ -34,7 +34,7 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner per envi
 
 FRAME_SHAPE = (1, 80, 80)
 NOOP_MAX = 30
-FIRE_RESET_ACTIONS = (1, 2)  # FIRE, then action 2, after a reset in games that have FIRE (see ``FireReset``)
+FIRE_RESET_ACTIONS = (1, 2)  # FIRE, then action 2, after a reset in games whose action 1 is FIRE (see ``FireReset``)
 MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines uses 2); kept for model compatibility
 # gymnasium's notice for old-version ids ("The environment Pong-v0 is out of date ..."); the v0/v4 ids are accepted on
 # purpose (upstream's protocols), so the notice is not printed once per environment and process
@@ -208,6 +208,13 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
         return obs, info
 
 
+def presses_fire(action_meanings: list[str]) -> bool:
+    """Whether a reset presses FIRE (action 1) then action 2: where action 1 is FIRE and there are three actions or
+    more (the games that wait for FIRE to start). A game whose FIRE is another index (``ALE/Backgammon-v5``,
+    ``ALE/VideoCheckers-v5``: FIRE is action 0) gets no presses: actions 1 and 2 move there."""
+    return len(action_meanings) >= 3 and action_meanings[1] == "FIRE"
+
+
 class FireReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Press FIRE (action 1) then action 2 after a reset, for games that wait for FIRE to start.
 
@@ -316,7 +323,7 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
     env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
     if episodic_life:
         env = EpisodicLife(env)
-    if "FIRE" in env.unwrapped.get_action_meanings():
+    if presses_fire(env.unwrapped.get_action_meanings()):
         env = FireReset(env)
     env = ProcessFrame(env, env_conf["crop1"], env_conf["crop2"])
     env = NormalizeFrame(env)

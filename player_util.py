@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from environment import FIRE_RESET_ACTIONS
+from environment import FIRE_RESET_ACTIONS, presses_fire
 from losses import A3CLoss, a3c_loss, bootstrap_value
 from model import A3Clstm, ActivationCache
 
@@ -202,7 +202,7 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     if on_frame is not None:
         on_frame(env)
     ale = env.unwrapped.ale
-    restart = (0, *FIRE_RESET_ACTIONS) if "FIRE" in env.unwrapped.get_action_meanings() else (0,)
+    restart = (0, *FIRE_RESET_ACTIONS) if presses_fire(env.unwrapped.get_action_meanings()) else (0,)
     lives = ale.lives()
     hx, cx = model.initial_state(1, device)
     score, length = 0.0, 0

@@ -238,6 +238,21 @@ def test_fire_reset_presses_fire_then_2():
     assert inner.actions == [1, 2]
 
 
+def test_fire_is_pressed_only_where_action_1_is_fire(env_config):
+    """Both v5-only games whose FIRE is action 0 get no FIRE presses (there, actions 1 and 2 move); Breakout does."""
+    from environment import presses_fire
+    assert presses_fire(["NOOP", "FIRE", "RIGHT", "LEFT"]) and not presses_fire(["NOOP", "FIRE"])
+    for env_id, fire in [("ALE/Backgammon-v5", False), ("ALE/VideoCheckers-v5", False), ("ALE/Breakout-v5", True),
+                         ("PongNoFrameskip-v4", True)]:
+        env = atari_env(env_id, load_env_config(env_config, env_id), episodic_life=True)
+        layers, e = [], env
+        while e is not None:
+            layers.append(type(e).__name__)
+            e = getattr(e, "env", None)
+        assert ("FireReset" in layers) is fire, env_id
+        env.close()
+
+
 def test_process_frame_crop_resize_gray():
     frame = np.zeros((210, 160, 3), np.uint8)
     frame[34:194] = [255, 255, 255]  # the Pong crop is all white
