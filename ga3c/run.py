@@ -8,7 +8,7 @@ Processes (all spawned by the main process, bound to it by ``lifeline``, stopped
 
 Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
 rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
--> ``max_agents + 1``; plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose agent-step slots *are* the run's
+-> ``max_agents + 2`` (``max_agents + 1`` is unused); plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose agent-step slots *are* the run's
 global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_updates`` (the model version), so
 either mode resumes the other's.
 
@@ -19,6 +19,7 @@ its last 100 learner games (from the env slot each game was played in).
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 from argparse import Namespace
@@ -65,6 +66,7 @@ class Ga3cRun(Mode):
         self.procs: list[tuple[str, mp.Process]] = []
         self.agents: dict[int, mp.Process] = {}  # running agents by index
         self._agent_processes: dict[int, mp.Process] = {}  # the latest process of each index
+        self._agent_starts: dict[int, int] = {}  # how many times each index was started (seeds, ``_start_agent``)
         self.retired: set[int] = set()  # pids of agents that --dynamic stopped (they exit 0 on purpose)
         self.console = ConsoleStats(time.time(), window=console_window)
         # --train-envs with several ids: each one's learner games, since the console line averages over all
@@ -129,8 +131,14 @@ class Ga3cRun(Mode):
         return p
 
     def _start_agent(self, a: int) -> None:
+        """Start agent ``a`` on its env slots. Slot s is seeded with ``--seed + s`` at the agent's first start and
+        with ``--seed + s + n * (the env slots)`` at its n-th restart (``--dynamic``): a restarted agent does not
+        play its slots' first games again (the same no-op starts and sticky-action draws)."""
         a_args = self.args
-        factory = AtariEnvFactory.for_args(a_args)
+        starts = self._agent_starts.get(a, 0)
+        self._agent_starts[a] = starts + 1
+        seed = a_args.seed + starts * self.max_agents * self.k
+        factory = dataclasses.replace(AtariEnvFactory.for_args(a_args), seed=seed)
         old = self._agent_processes.get(a)
         if old is not None and old.is_alive():  # retired earlier: it must let go of its env slots first
             old.join(5.0)
@@ -138,7 +146,7 @@ class Ga3cRun(Mode):
         self.run.ready[a] = 0
         slots = list(range(a * self.k, (a + 1) * self.k))
         self.agents[a] = self._agent_processes[a] = self._start(f"ga3c agent {a}", agent_process, (
-            a, slots, self.buffers, factory, self.run.stop, self.counters, self.episodes, a_args.seed,
+            a, slots, self.buffers, factory, self.run.stop, self.counters, self.episodes, seed,
             self.run.errors, a, self.retire[a], self.run.ready))
         self.counters.active[2] = len(self.agents)
 

@@ -99,6 +99,7 @@ class Server:
         self.step_lock = threading.Lock()  # hand-off + optimizer step only (see trainer.py)
         self._private_models: dict[int, A3Clstm] = {}
         self.predictors: list[Predictor] = []
+        self._predictor_builds = 0  # how many sets of predictors were built (``--dynamic`` builds a new set)
         self._predictor_threads: list[tuple[threading.Event, threading.Thread]] = []
         self.trainers: list[Trainer] = []
         self._trainer_threads: list[tuple[threading.Event, threading.Thread]] = []
@@ -116,7 +117,13 @@ class Server:
         return self._private_models[p], self.shared_model
 
     def _build_predictors(self, n: int) -> None:
+        """Build ``n`` predictors over the env slots. Predictor p of the b-th set (b from 0) samples its actions
+        with the seed ``seed + p + b * (the most predictors)``: a set that ``--dynamic`` builds again does not
+        draw the first set's random numbers again."""
         self.predictors, self._predictor_retire = [], []
+        span = max(n, int(self.counters.predictions.numel()) if self.counters is not None else 0)
+        first_seed = self.seed + self._predictor_builds * span
+        self._predictor_builds += 1
         for p in range(n):
             device = self.predictor_devices[p % len(self.predictor_devices)]
             model, source = self._predictor_model(p, device)
@@ -125,7 +132,7 @@ class Server:
             self.predictors.append(Predictor(
                 model, self.buffers, range(p, self.buffers.num_slots, n), self.states,
                 num_steps=self.settings.num_steps, predict_batch=self.settings.predict_batch,
-                counters=self.counters, index=p, sink=sink, device=device, source=source, seed=self.seed + p,
+                counters=self.counters, index=p, sink=sink, device=device, source=source, seed=first_seed + p,
                 open_segments=self.open_segments, sync_every=self.sync_every,
                 save_activations=self.settings.replay_activations, step_lock=self.step_lock))
             self._predictor_retire.append(retire)

@@ -247,3 +247,58 @@ def test_a_predictor_that_does_not_end_when_retired_halts_the_server_instead_of_
         release.set()
         stop.set()
         assert server.join(10)
+
+
+def test_predictors_built_again_by_dynamic_do_not_draw_the_first_sets_random_numbers_again():
+    """Each set of predictors that ``set_counts`` builds samples with seeds no earlier set used (the first set keeps
+    ``seed + p``, so a run without ``--dynamic`` samples as before)."""
+    model = A3Clstm(1, 6, 32)
+    buffers, counters, stop = EnvSlots(4), Ga3cCounters(1, 2, 1), Flag()
+    server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers, counters, Ga3cSettings(), stop,
+                    num_predictors=2, num_trainers=0, seed=7)
+    seeds = [[p.generator.initial_seed() for p in server.predictors]]
+    server.start()
+    try:
+        for n in (1, 2, 1):
+            server.set_counts(0, n)
+            seeds.append([p.generator.initial_seed() for p in server.predictors])
+    finally:
+        stop.set()
+        assert server.join(10)
+    assert seeds[0] == [7, 8]
+    every = [s for built in seeds for s in built]
+    assert len(every) == len(set(every)) == 6, seeds
+
+
+def test_an_agent_that_dynamic_starts_again_gets_seeds_its_slots_have_not_had(tmp_path):
+    """Agent a's slots are seeded with ``--seed + s`` at its first start, and with seeds no slot had before at each
+    restart (the restarted agent's first games would otherwise replay the run's first games exactly)."""
+    from config import build_parser
+    from ga3c.run import Ga3cRun
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "3", "--seed", "5",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=None)
+    started = []
+
+    class NotStarted:
+        pid = None
+
+        def is_alive(self):
+            return False
+
+    def record(role, target, target_args):
+        slots, factory, seed = target_args[1], target_args[3], target_args[7]
+        started.append((role, [seed + s for s in slots], [factory.seed_for(s) for s in slots]))
+        return NotStarted()
+
+    run._start = record
+    try:
+        for a in (0, 1, 0, 0, 1):
+            run._start_agent(a)
+    finally:
+        run.release()
+    assert started[0] == ("ga3c agent 0", [5, 6, 7], [5, 6, 7]) and started[1][1] == [8, 9, 10]
+    every = [s for _, seeds, _ in started for s in seeds]
+    assert len(every) == len(set(every)) == 15, started
+    assert all(env_seeds == seeds for _, seeds, env_seeds in started)  # the action spaces' seeds move with them
