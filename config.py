@@ -56,7 +56,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
 MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.0001, "precision": "fp32"}}
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
-                   "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every")
+                   "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
+                   "short_game_slots", "short_game_length")
 _NOT_GIVEN = object()
 
 
@@ -278,6 +279,12 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-every", type=int, default=1,
                    help="predictors copy the trained weights every this many updates (with two or more GPUs the "
                         "first half trains and the second half predicts) (default: %(default)s)")
+    g.add_argument("--short-game-slots", type=int, default=0, metavar="K",
+                   help="env slots 0 to K-1 play games cut (truncated) at --short-game-length agent steps, so "
+                        "that the learners meet a game's opening more often; their games are not counted as "
+                        "learner games; the monitor is unchanged (default: %(default)s, none)")
+    g.add_argument("--short-game-length", type=int, default=150, metavar="STEPS",
+                   help="the time limit of the --short-game-slots, in agent steps (default: %(default)s)")
 
 
 def validate_common(args: argparse.Namespace) -> list[str]:
@@ -510,12 +517,48 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
         errors.append("--distributed-step-size is for A3G workers; in GA3C mode every segment has --num-steps steps")
     if args.dynamic_seconds <= 0:
         errors.append(f"--dynamic-seconds must be > 0, got {args.dynamic_seconds:g}")
+    errors += short_game_problems(args)
     if args.dynamic_max is not None:
         for name, bound, start in zip(("trainers", "predictors", "agents"), args.dynamic_max,
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
                 errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
     return errors
+
+
+def short_game_problems(args: argparse.Namespace) -> list[str]:
+    """``--short-game-slots K`` and ``--short-game-length``: K >= 0, at least one env slot left for whole games
+    (with ``--dynamic``, within one agent's slots, since its agents may drop to one), and a length of at least 1
+    and below ``--max-episode-length`` (else the cut changes nothing)."""
+    errors = []
+    k, length = args.short_game_slots, args.short_game_length
+    if k < 0:
+        errors.append(f"--short-game-slots must be >= 0 (0 = none), got {k}")
+    if length < 1:
+        errors.append(f"--short-game-length must be >= 1, got {length}")
+    elif k > 0 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
+        errors.append(f"--short-game-length {length} must be below --max-episode-length {args.max_episode_length}, "
+                      f"or the short games are not shorter")
+    if k > 0 and args.agents >= 1 and args.envs_per_agent >= 1:
+        slots, flags = ((args.envs_per_agent, f"--envs-per-agent {args.envs_per_agent} (--dynamic may leave one "
+                                              f"agent)") if args.dynamic else
+                        (args.agents * args.envs_per_agent,
+                         f"--agents {args.agents} x --envs-per-agent {args.envs_per_agent}"))
+        if k >= slots:
+            errors.append(f"--short-game-slots {k} leaves none of the {slots} env slots of {flags} for whole games; "
+                          f"give at most {slots - 1}")
+    return errors
+
+
+def short_games_line(args: argparse.Namespace) -> str | None:
+    """The start-up line for ``--short-game-slots``; None without it."""
+    k = args.short_game_slots
+    if args.mode != "ga3c" or k <= 0:
+        return None
+    n = args.agents * args.envs_per_agent
+    which = f"env slot 0 of {n} plays" if k == 1 else f"env slots 0-{k - 1} of {n} play"
+    return (f"{which} games cut at {args.short_game_length} agent steps "
+            f"(--short-game-slots), not counted as learner games")
 
 
 def validate_ray(args: argparse.Namespace) -> list[str]:

@@ -47,7 +47,7 @@ from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLocked
                         check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
                         remove_stale_temp_files, state_dict_of)
 from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
-                    train_envs_line, validate)
+                    short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -430,9 +430,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    mix = train_envs_line(args)
-    if mix:
-        log.info(mix)
+    for line in (train_envs_line(args), short_games_line(args)):
+        if line:
+            log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),
                                 ("entropy bonus", args.entropy_coef, args.entropy_anneal_steps)):
         if anneal:

@@ -33,8 +33,9 @@ from run_state import AnyOf
 @dataclass(frozen=True)
 class AtariEnvFactory:
     """Builds a learner's environment for an env slot with ``environment.atari_env`` (``episodic_life=True``).
-    Slot s plays ``env_ids[s % len(env_ids)]`` (``--train-envs``), or ``env_id`` when ``env_ids`` is empty.
-    Picklable, so it can be handed to a spawned agent process."""
+    Slot s plays ``env_ids[s % len(env_ids)]`` (``--train-envs``), or ``env_id`` when ``env_ids`` is empty; slots
+    below ``short_slots`` have the time limit ``short_length`` (``--short-game-slots``), the others
+    ``max_episode_length``. Picklable, so it can be handed to a spawned agent process."""
 
     env_id: str
     env_config: str | Path
@@ -42,21 +43,32 @@ class AtariEnvFactory:
     skip_rate: int = 4
     seed: int | None = None  # env slot s is seeded with seed + s
     env_ids: tuple[str, ...] = ()
+    short_slots: int = 0
+    short_length: int = 150
 
     @classmethod
     def for_args(cls, args) -> "AtariEnvFactory":
         """The factory a training run's agents use (``Ga3cRun`` builds it from the run's flags)."""
         return cls(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed,
-                   env_ids=tuple(getattr(args, "train_envs", None) or ()))
+                   env_ids=tuple(getattr(args, "train_envs", None) or ()),
+                   short_slots=getattr(args, "short_game_slots", 0),
+                   short_length=getattr(args, "short_game_length", 150))
 
     def env_id_of(self, slot: int) -> str:
         return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id
+
+    def counts_games(self, slot: int) -> bool:
+        """Whether slot ``slot``'s games are learner games (not ``--short-game-slots``' cut ones)."""
+        return slot >= self.short_slots
+
+    def max_length_of(self, slot: int) -> int:
+        return self.max_episode_length if self.counts_games(slot) else self.short_length
 
     def __call__(self, slot: int):
         from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
         env_id = self.env_id_of(slot)
         env = atari_env(env_id, load_env_config(self.env_config, env_id),
-                        max_episode_length=self.max_episode_length, skip_rate=self.skip_rate, episodic_life=True)
+                        max_episode_length=self.max_length_of(slot), skip_rate=self.skip_rate, episodic_life=True)
         if self.seed is not None:
             env.action_space.seed(self.seed + slot)
         return env
@@ -81,8 +93,9 @@ def find_normalizer(env):
 class EnvRunner:
     """One env slot: its environment and the request it has in flight (see the module docstring)."""
 
-    def __init__(self, slot: int, env, buffers: EnvSlots, seed: int | None = None):
+    def __init__(self, slot: int, env, buffers: EnvSlots, seed: int | None = None, counts_games: bool = True):
         self.slot = slot
+        self.counts_games = counts_games  # False: a --short-game-slots slot, whose games are not learner games
         self.env = env
         self.buffers = buffers
         self.seed = seed
@@ -189,7 +202,7 @@ class AgentStepper:
         for i in ready:
             n, finished = self.runners[i].on_response()
             steps += n
-            if finished is not None:
+            if finished is not None and self.runners[i].counts_games:
                 self.games += 1
                 if self.episodes is not None:
                     self.episodes.record(self.agent_id, *finished, slot=self.runners[i].slot)
@@ -205,13 +218,21 @@ class AgentStepper:
             r.env.close()
 
 
+def make_runners(slots, buffers: EnvSlots, make_env, seed: int | None = None) -> list[EnvRunner]:
+    """The env runners of an agent's ``slots``: slot s plays ``make_env(s)``, its first reset seeded with
+    ``seed + s``; its games count as learner games unless ``make_env.counts_games(s)`` says otherwise (an
+    ``AtariEnvFactory`` with ``--short-game-slots``)."""
+    counts = getattr(make_env, "counts_games", lambda slot: True)
+    return [EnvRunner(s, make_env(s), buffers, None if seed is None else seed + s, counts_games=counts(s))
+            for s in slots]
+
+
 def run_agent(agent_id: int, slots, buffers: EnvSlots, make_env, stop, *, counters=None, episodes=None,
               seed: int | None = None, max_steps: int | None = None, on_ready=None) -> int:
     """The agent loop: step the environments ``make_env(slot)`` of ``slots`` until ``stop.is_set()`` (or
     ``max_steps`` agent steps). Slot s's first reset is seeded with ``seed + s``. Returns the steps taken.
     ``on_ready()`` is called once the environments are built."""
-    runners = [EnvRunner(s, make_env(s), buffers, None if seed is None else seed + s) for s in slots]
-    stepper = AgentStepper(agent_id, runners, buffers, counters, episodes)
+    stepper = AgentStepper(agent_id, make_runners(slots, buffers, make_env, seed), buffers, counters, episodes)
     if on_ready is not None:
         on_ready()
     try:

@@ -161,3 +161,34 @@ def test_with_dynamic_the_train_batch_and_the_warning_count_the_most_agents_it_m
     assert "128 env slots (up to 8 agents with --dynamic" in line and "64 slots per segment" in line
     a = parse("--agents", "1", "--envs-per-agent", "17", "--train-batch", "2")  # over 8, not rounded down to it
     assert "8.5 slots per segment" in policy_lag_warnings(a)[0] if not validate(a) else False
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--short-game-slots", "-1"], ["--short-game-slots must be >= 0 (0 = none), got -1"]),
+    (["--short-game-slots", "2", "--short-game-length", "0"], ["--short-game-length must be >= 1, got 0"]),
+    (["--short-game-slots", "2", "--short-game-length", "400", "--max-episode-length", "400"],
+     ["--short-game-length 400 must be below --max-episode-length 400, or the short games are not shorter"]),
+    (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "8"],
+     ["--short-game-slots 8 leaves none of the 8 env slots of --agents 2 x --envs-per-agent 4 for whole games; "
+      "give at most 7"]),
+    (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "4", "--dynamic"],
+     ["--short-game-slots 4 leaves none of the 4 env slots of --envs-per-agent 4 (--dynamic may leave one agent) "
+      "for whole games; give at most 3"]),
+    (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "7"], []),
+    (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "3", "--dynamic"], []),
+    (["--short-game-length", "0"], ["--short-game-length must be >= 1, got 0"]),
+    (["--mode", "a3g", "--short-game-slots", "1"], ["--short-game-slots: only GA3C mode has it"])])
+def test_short_game_flags_are_checked(argv, want):
+    errors = validate(parse(*argv))
+    assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
+
+
+def test_the_start_up_line_names_the_short_game_slots():
+    from config import short_games_line
+
+    assert short_games_line(parse()) is None
+    a = parse("--agents", "2", "--envs-per-agent", "8", "--short-game-slots", "2")
+    assert validate(a) == [] and short_games_line(a) == ("env slots 0-1 of 16 play games cut at 150 agent steps "
+                                                         "(--short-game-slots), not counted as learner games")
+    a = parse("--agents", "1", "--envs-per-agent", "4", "--short-game-slots", "1", "--short-game-length", "90")
+    assert validate(a) == [] and short_games_line(a).startswith("env slot 0 of 4 plays games cut at 90 agent steps")

@@ -189,3 +189,43 @@ def test_an_agent_that_fails_reports_its_traceback(env_config):
             p.join(5)
     assert p.exitcode == 1 and role == "ga3c agent 0"
     assert "Traceback" in text and "unknown environment id 'NoSuchGameNoFrameskip-v4'" in text
+
+
+def test_short_game_slots_cut_their_games_and_leave_them_out_of_the_learner_games(env_config):
+    """``--short-game-slots 1 --short-game-length 7`` on the objects a run builds (the parsed flags, the agents'
+    factory, an agent's runners): slot 0's games are cut at 7 agent steps (segments truncated there, each game a
+    fresh reset) and not recorded as learner games; slot 1 plays on with the run's time limit."""
+    from config import build_parser, validate
+    from ga3c.agent import make_runners
+
+    args = build_parser().parse_args(["--env", ENV, "--agents", "1", "--envs-per-agent", "2", "--short-game-slots",
+                                      "1", "--short-game-length", "7", "--seed", "4", "--env-config", env_config])
+    assert validate(args) == []
+    factory = AtariEnvFactory.for_args(args)
+    model = shared_model(0)
+    buffers, counters, episodes = EnvSlots(2), Ga3cCounters(1, 1, 1), EpisodeLog(1)
+    segments = []
+    pred = Predictor(model, buffers, range(2), SlotStates(2, H), num_steps=5, predict_batch=8, counters=counters,
+                     sink=segments.append, seed=0)
+    stepper = AgentStepper(0, make_runners([0, 1], buffers, factory, args.seed), buffers, counters, episodes)
+    limits = []
+    for r in stepper.runners:
+        e = r.env
+        while not hasattr(e, "_max_episode_steps"):
+            e = e.env
+        limits.append(e._max_episode_steps)
+    assert limits == [7, 10000]
+    stepper.begin()
+    for _ in range(60):
+        pred.step()
+        stepper.poll()
+    frames = [r.env.unwrapped.ale.getEpisodeFrameNumber() for r in stepper.runners]
+    stepper.close()
+    assert frames[0] <= 30 + 7 * 4 < 200 <= frames[1]  # slot 0 is in a fresh game (no-op starts + 7 steps at most)
+    short = [seg for seg in segments if seg.slot == 0]
+    whole = [seg for seg in segments if seg.slot == 1]
+    ends = [seg for seg in short if seg.truncated]
+    # the reset's FIRE and action 2 count in the limit too: 5 learner steps a game, one segment of --num-steps 5
+    assert len(ends) == len(short) >= 5 and all(len(seg.actions) == 5 for seg in ends)
+    assert not any(seg.truncated or seg.terminated for seg in whole) and sum(len(s.actions) for s in whole) >= 50
+    assert stepper.games == 0 and episodes.read_new() == []

@@ -93,6 +93,22 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     assert "1 games, mean" in r.stdout
 
 
+def test_short_game_slots_in_a_run_are_logged_and_left_out_of_the_learner_games(tmp_path):
+    """``--short-game-slots 1 --short-game-length 10`` with whole games cut at 30 agent steps (``COMMON``): the start-up
+    log names the slot, and every learner game the run counts (console, results.txt, the checkpoint) is a whole one:
+    28 agent steps after the reset's FIRE and action 2, none of the short slot's 8."""
+    r = run_entry("main.py", *GA3C, *COMMON, "3", "--short-game-slots", "1", "--short-game-length", "10",
+                  *dirs(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "env slot 0 of 4 plays games cut at 10 agent steps (--short-game-slots), not counted as learner games" \
+        in r.stdout
+    results = (tmp_path / "logs" / "results.txt").read_text().splitlines()
+    lengths = [int(line.rsplit(", ", 1)[1]) for line in results]
+    assert len(lengths) >= 3 and set(lengths) == {28}, lengths
+    ckpt = torch.load(tmp_path / "models" / f"{ENV_ID}.ckpt", weights_only=True)
+    assert ckpt["ga3c_episodes"] == len(lengths) and ckpt["config"]["short_game_slots"] == 1
+
+
 def ga3c_fault_args(tmp_path, *extra):
     return [*GA3C_RUN, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"), "--max-steps", "0",
             "--max-episode-length", "300", "--test-every-steps", "2000", "--checkpoint-every-seconds", "0.5",

@@ -147,6 +147,8 @@ class _Log:
 class _FinishingRunner:
     """Stands in for an agent's env runner whose answer has arrived and whose game ends with ``score``."""
 
+    counts_games = True  # a whole-game slot (not --short-game-slots)
+
     def __init__(self, slot, score):
         self.slot, self.seq, self.score = slot, 1, score
 
