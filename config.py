@@ -284,7 +284,8 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                         "that the learners meet a game's opening more often; their games are not counted as "
                         "learner games; the monitor is unchanged (default: %(default)s, none)")
     g.add_argument("--short-game-length", type=int, default=150, metavar="STEPS",
-                   help="the time limit of the --short-game-slots, in agent steps (default: %(default)s)")
+                   help="the time limit of the --short-game-slots, in agent steps, the reset's FIRE and action 2 "
+                        "included; at least 3 (default: %(default)s)")
 
 
 def validate_common(args: argparse.Namespace) -> list[str]:
@@ -527,19 +528,22 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
 
 
 def short_game_problems(args: argparse.Namespace) -> list[str]:
-    """``--short-game-slots K`` and ``--short-game-length``: K >= 0, at least one env slot left for whole games
-    (with ``--dynamic``, within one agent's slots, since its agents may drop to one), and a length of at least 1
-    and below ``--max-episode-length`` (else the cut changes nothing)."""
+    """``--short-game-slots K`` and ``--short-game-length L``: K >= 0 and L >= 3 (the reset's FIRE and action 2
+    count in it), checked in either mode; in GA3C mode also L below ``--max-episode-length`` (else the cut changes
+    nothing), and whole games left: at least one env slot, and one for each ``--train-envs`` id (with
+    ``--dynamic``, within one agent's slots, since its agents may drop to one)."""
     errors = []
     k, length = args.short_game_slots, args.short_game_length
     if k < 0:
         errors.append(f"--short-game-slots must be >= 0 (0 = none), got {k}")
-    if length < 1:
-        errors.append(f"--short-game-length must be >= 1, got {length}")
-    elif k > 0 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
+    if length < 3:
+        errors.append(f"--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), got {length}")
+    if args.mode != "ga3c" or k <= 0:
+        return errors
+    if length >= 3 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
         errors.append(f"--short-game-length {length} must be below --max-episode-length {args.max_episode_length}, "
                       f"or the short games are not shorter")
-    if k > 0 and args.agents >= 1 and args.envs_per_agent >= 1:
+    if args.agents >= 1 and args.envs_per_agent >= 1:
         slots, flags = ((args.envs_per_agent, f"--envs-per-agent {args.envs_per_agent} (--dynamic may leave one "
                                               f"agent)") if args.dynamic else
                         (args.agents * args.envs_per_agent,
@@ -547,6 +551,13 @@ def short_game_problems(args: argparse.Namespace) -> list[str]:
         if k >= slots:
             errors.append(f"--short-game-slots {k} leaves none of the {slots} env slots of {flags} for whole games; "
                           f"give at most {slots - 1}")
+        elif args.train_envs:
+            whole = {train_env_id(args, s) for s in range(k, slots)}
+            cut_only = list(dict.fromkeys(i for i in args.train_envs if i not in whole))
+            if cut_only:
+                errors.append(f"--short-game-slots {k}: {', '.join(cut_only)} (--train-envs) would play only cut games "
+                              f"in the {slots} env slots of {flags}; give fewer short slots, or list "
+                              f"{'it' if len(cut_only) == 1 else 'them'} again in --train-envs")
     return errors
 
 

@@ -165,7 +165,16 @@ def test_with_dynamic_the_train_batch_and_the_warning_count_the_most_agents_it_m
 
 @pytest.mark.parametrize("argv,want", [
     (["--short-game-slots", "-1"], ["--short-game-slots must be >= 0 (0 = none), got -1"]),
-    (["--short-game-slots", "2", "--short-game-length", "0"], ["--short-game-length must be >= 1, got 0"]),
+    (["--short-game-slots", "2", "--short-game-length", "2"],
+     ["--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), got 2"]),
+    (["--train-envs", "PongNoFrameskip-v4", "ALE/Pong-v5", "--agents", "1", "--envs-per-agent", "3",
+      "--short-game-slots", "2"],
+     ["--short-game-slots 2: ALE/Pong-v5 (--train-envs) would play only cut games in the 3 env slots of --agents 1 x "
+      "--envs-per-agent 3; give fewer short slots, or list it again in --train-envs"]),
+    (["--train-envs", "PongNoFrameskip-v4", "ALE/Pong-v5", "--agents", "1", "--envs-per-agent", "4",
+      "--short-game-slots", "2"], []),
+    (["--mode", "a3g", "--max-episode-length", "100", "--short-game-slots", "100"],
+     ["--short-game-slots: only GA3C mode has it"]),  # the GA3C-only relations are not checked as well
     (["--short-game-slots", "2", "--short-game-length", "400", "--max-episode-length", "400"],
      ["--short-game-length 400 must be below --max-episode-length 400, or the short games are not shorter"]),
     (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "8"],
@@ -176,7 +185,8 @@ def test_with_dynamic_the_train_batch_and_the_warning_count_the_most_agents_it_m
       "for whole games; give at most 3"]),
     (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "7"], []),
     (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "3", "--dynamic"], []),
-    (["--short-game-length", "0"], ["--short-game-length must be >= 1, got 0"]),
+    (["--short-game-length", "0"], ["--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), "
+                                    "got 0"]),
     (["--mode", "a3g", "--short-game-slots", "1"], ["--short-game-slots: only GA3C mode has it"])])
 def test_short_game_flags_are_checked(argv, want):
     errors = validate(parse(*argv))
