@@ -8,8 +8,8 @@ Processes (all spawned by the main process, bound to it by ``lifeline``, stopped
 
 Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
 rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
--> ``max_agents + 2`` (``max_agents + 1`` is unused); plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose agent-step slots *are* the run's
-global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_updates`` (the model version), so
+-> ``max_agents + 2`` (``max_agents + 1`` is unused); plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose
+agent-step slots *are* the run's global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_updates`` (the model version), so
 either mode resumes the other's.
 
 The main process calls ``tick()`` about 5 times a second: it prints GA3C's console line for every finished agent
