@@ -151,15 +151,11 @@ class EnvRunner:
         clipped = max(-1.0, min(1.0, float(reward)))
         finished = None
         if info.get("game_over", terminated or truncated):
-            finished = (self.score, self.length)
-            self.score, self.length = 0.0, 0
-            self.save_norm_stats()
+            finished = self._finish_game()
         if terminated:
             obs = self._reset()
             if self.cut and finished is None and self.length > 0:  # a time limit ended the game inside the reset
-                finished = (self.score, self.length)
-                self.score, self.length = 0.0, 0
-                self.save_norm_stats()
+                finished = self._finish_game()
             self.seq = self.buffers.submit(self.slot, obs, reward=clipped, terminated=True, episode_start=True)
         elif truncated:
             self.seq = self.buffers.submit(self.slot, obs, reward=clipped, truncated=True, final=True)
@@ -167,6 +163,14 @@ class EnvRunner:
         else:
             self.seq = self.buffers.submit(self.slot, obs, reward=clipped)
         return 1, finished
+
+    def _finish_game(self) -> tuple[float, int]:
+        """The game that just ended: returns its (score, length), starts the next one's count and saves the
+        normalisation statistics."""
+        finished = (self.score, self.length)
+        self.score, self.length = 0.0, 0
+        self.save_norm_stats()
+        return finished
 
     def save_norm_stats(self) -> None:
         if self.norm is not None:
