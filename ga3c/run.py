@@ -68,6 +68,7 @@ class Ga3cRun(Mode):
         self._agent_processes: dict[int, mp.Process] = {}  # the latest process of each index
         self._agent_starts: dict[int, int] = {}  # how many times each index was started (seeds, ``_start_agent``)
         self.retired: set[int] = set()  # pids of agents that --dynamic stopped (they exit 0 on purpose)
+        self._pending_agents: list[int] = []  # indices --dynamic starts once their retired process has exited
         self.console = ConsoleStats(time.time(), window=console_window)
         # --train-envs with several ids: each one's learner games, since the console line averages over all
         self.scores_by_id = ScoresById() if len(set(getattr(args, "train_envs", None) or ())) > 1 else None
@@ -140,8 +141,7 @@ class Ga3cRun(Mode):
         seed = a_args.seed + starts * self.max_agents * self.k
         factory = dataclasses.replace(AtariEnvFactory.for_args(a_args), seed=seed)
         old = self._agent_processes.get(a)
-        if old is not None and old.is_alive():  # retired earlier: it must let go of its env slots first
-            old.join(5.0)
+        assert old is None or not old.is_alive(), f"agent {a} started while its retired process holds its slots"
         self.retire[a].clear()
         self.run.ready[a] = 0
         slots = list(range(a * self.k, (a + 1) * self.k))
@@ -171,6 +171,7 @@ class Ga3cRun(Mode):
             if self.results is not None:
                 self.results.write(episode)
         if self.adjuster is not None and self._ctx is not None and not self.run.stop.is_set():
+            self._start_pending_agents()
             counts = self.adjuster.observe(now, self.trained_steps())
             for event in self.adjuster.events:
                 self.log.info(f"[dynamic] {event}")
@@ -179,12 +180,33 @@ class Ga3cRun(Mode):
                 self.apply_counts(counts)
 
     def apply_counts(self, counts) -> None:
+        """Set the server's targets and the number of agents to ``counts``. An agent is started on an index whose
+        last process has exited; where every free index's retired process is still finishing its step, the start
+        waits (``_pending_agents``) and a later ``tick`` makes it, so the main loop never blocks on an exit."""
         nt, np_, na = counts
         self.counters.targets[0], self.counters.targets[1] = nt, np_
-        while len(self.agents) > na:
-            self._retire_agent(max(self.agents))
-        while len(self.agents) < na:
-            self._start_agent(min(set(range(self.max_agents)) - set(self.agents)))
+        while len(self.agents) + len(self._pending_agents) > na:
+            if self._pending_agents:
+                self._pending_agents.pop()
+            else:
+                self._retire_agent(max(self.agents))
+        while len(self.agents) + len(self._pending_agents) < na:
+            free = sorted(set(range(self.max_agents)) - set(self.agents) - set(self._pending_agents))
+            exited = [a for a in free if not self._holds_slots(a)]
+            if exited:
+                self._start_agent(exited[0])
+            else:
+                self._pending_agents.append(free[0])
+        self._start_pending_agents()
+
+    def _holds_slots(self, a: int) -> bool:
+        old = self._agent_processes.get(a)
+        return old is not None and old.is_alive()
+
+    def _start_pending_agents(self) -> None:
+        for a in [a for a in self._pending_agents if not self._holds_slots(a)]:
+            self._pending_agents.remove(a)
+            self._start_agent(a)
 
     def trained_steps(self) -> int:
         return int(self.counters.trainer_stats[:, TRAINER_FIELDS.index("steps")].sum())

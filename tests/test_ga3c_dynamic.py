@@ -302,3 +302,56 @@ def test_an_agent_that_dynamic_starts_again_gets_seeds_its_slots_have_not_had(tm
     every = [s for _, seeds, _ in started for s in seeds]
     assert len(every) == len(set(every)) == 15, started
     assert all(env_seeds == seeds for _, seeds, env_seeds in started)  # the action spaces' seeds move with them
+
+
+def test_dynamic_never_blocks_the_main_loop_on_a_retired_agent_that_has_not_exited(tmp_path):
+    """``--dynamic`` retires agent 1 and wants two agents again before agent 1's process has exited: the start
+    waits for that exit in later ticks (the main loop goes on, so budgets and Ctrl-C are seen), is never made while
+    the old process holds its env slots, and a start cancelled by a later retirement is never made."""
+    from config import build_parser
+    from ga3c.run import Ga3cRun
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--dynamic",
+                                      "--dynamic-max", "2", "2", "2",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=None)
+
+    class Process:
+        def __init__(self, pid):
+            self.pid, self.alive = pid, True
+
+        def is_alive(self):
+            return self.alive
+
+        def join(self, timeout=None):
+            raise AssertionError("the main loop waited on an agent")
+
+    started = []
+
+    def record(role, target, target_args):
+        started.append(role)
+        return Process(len(started))
+
+    run._start, run._ctx = record, object()
+    try:
+        run.apply_counts((1, 1, 2))
+        assert started == ["ga3c agent 0", "ga3c agent 1"]
+        first_1 = run.agents[1]
+        run.apply_counts((1, 1, 1))  # retires agent 1, which goes on finishing its step
+        run.apply_counts((1, 1, 2))
+        assert started == ["ga3c agent 0", "ga3c agent 1"] and sorted(run.agents) == [0]
+        run.tick(time.time())
+        assert len(started) == 2
+        first_1.alive = False  # it has let go of its slots
+        run.tick(time.time())
+        assert started[2:] == ["ga3c agent 1"] and sorted(run.agents) == [0, 1] and run.agents[1] is not first_1
+        assert int(run.counters.active[2]) == 2
+        second_1 = run.agents[1]
+        run.apply_counts((1, 1, 1))
+        run.apply_counts((1, 1, 2))  # pending again, then cancelled before its old process exits
+        run.apply_counts((1, 1, 1))
+        second_1.alive = False
+        run.tick(time.time())
+        assert len(started) == 3 and sorted(run.agents) == [0] and int(run.counters.active[2]) == 1
+    finally:
+        run.release()
