@@ -6,7 +6,8 @@
 
 Each argument is a ``*_monitor.csv`` file or a folder holding them, at any depth (one line per run), or a GA3C
 ``results.txt`` named as a file (the agents' training games: steps are the running sum of the games' lengths,
-time counts from the first game), or the monitor CSVs of one run trained in pieces joined with ``+``
+every game the file holds included, time counts from the first game, any pause between a run's resumed pieces
+included), or the monitor CSVs of one run trained in pieces joined with ``+``
 (``a_monitor.csv+b_monitor.csv``: one line, one time-to-score row). A piece resumed from the previous piece's
 checkpoint (``--load``) goes on counting its steps and time, and the join keeps them; with ``--restarted-pieces``
 every piece counted from 0 (each started from a bare ``.dat``, as ``--load --load-model-dir trained_models/``
@@ -92,10 +93,13 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
     """A monitor CSV (or GA3C's ``results.txt``) as ``{"steps", "score", "hours"}``, one entry per game.
 
     A row cut short (a run killed while writing it; the monitor of the resumed run starts a new line after it)
-    is left out, with a warning; any other row that is not a row of numbers is an error naming its line. Where the global steps go back (a run resumed from a
-    checkpoint older than its last games), the games after that checkpoint are left out, as the monitor's own
-    running mean leaves them out, with a warning: their weights were lost with the resume. (So are a run's games
-    when another run from 0 was appended to its file.)
+    is left out, with a warning; any other row that is not a row of numbers is an error naming its line. Where the
+    global steps go back (a run resumed from a checkpoint older than its last games), the games at or after the
+    resumed run's first game's global steps are left out, with a warning: their weights were lost with the resume.
+    Games between the checkpoint and that point stay (the CSV does not record the checkpoint's steps), so the curve
+    can hold a few games that the resumed monitor's own running mean does not. (A run's games are left out too
+    when another run from 0 was appended to its file.) Games at equal global steps are kept: a Ray run's steps
+    move only at its nodes' syncs.
     """
     if path.name == "results.txt":
         return read_results(path)
@@ -140,11 +144,14 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
     return curve
 
 
-def add_game(curve: dict, steps: int, score: float, hours: float, supersede: bool = True) -> int:
-    """Append one game to ``curve``; with ``supersede``, first drop the games at or after its global steps (a
-    resume from an earlier checkpoint lost them) and return how many."""
+def add_game(curve: dict, steps: int, score: float, hours: float, supersede: bool = True,
+             resumed: bool = False) -> int:
+    """Append one game to ``curve``; with ``supersede``, first drop the games past its global steps (a resume from
+    an earlier checkpoint lost them) and return how many. A game at the same steps as the last one stays, unless
+    ``resumed`` says this game is a resumed run's first: its checkpoint came before these steps, so a game at them
+    was played after the checkpoint and lost."""
     dropped = 0
-    while supersede and curve["steps"] and curve["steps"][-1] >= steps:
+    while supersede and curve["steps"] and (curve["steps"][-1] >= steps if resumed else curve["steps"][-1] > steps):
         curve["steps"].pop(), curve["score"].pop(), curve["hours"].pop()
         dropped += 1
     curve["steps"].append(steps), curve["score"].append(score), curve["hours"].append(hours)
@@ -155,18 +162,19 @@ def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
     """The curves of one run's pieces, in order, as one curve, and how many games were left out.
 
     Continued pieces (``restarted`` false) are laid end to end as rows appended to one CSV are: where a piece's
-    global steps go back (it resumed an earlier checkpoint than the previous piece's last game), the games after
-    that checkpoint are left out, as ``read_curve`` does within a file. Restarted pieces each counted from 0: each
-    is moved on by the steps and hours of the joined curve's last game before it, and nothing is left out (a
-    piece's first game may sit at 0 steps, and so on that last game).
+    global steps go back (it resumed an earlier checkpoint than the previous piece's last game), the games at or
+    after its first game's steps are left out, as ``read_curve`` does within a file. Restarted pieces each counted
+    from 0: each is moved on by the steps and hours of the joined curve's last game before it, and nothing is left
+    out (a piece's first game may sit at 0 steps, and so on that last game).
     """
     out = {"steps": [], "score": [], "hours": []}
     left_out = 0
     for piece in pieces:
         steps0 = out["steps"][-1] if restarted and out["steps"] else 0
         hours0 = out["hours"][-1] if restarted and out["hours"] else 0.0
-        for steps, score, hours in zip(piece["steps"], piece["score"], piece["hours"]):
-            left_out += add_game(out, steps + steps0, score, hours + hours0, supersede=not restarted)
+        for i, (steps, score, hours) in enumerate(zip(piece["steps"], piece["score"], piece["hours"])):
+            left_out += add_game(out, steps + steps0, score, hours + hours0, supersede=not restarted,
+                                 resumed=i == 0)
     return out, left_out
 
 
@@ -396,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     shown = list(args.labels) if args.labels else run_names
     title = args.title or ", ".join(sorted(envs)) + (f": {', '.join(shown)}" if shown else "")
     fig.suptitle(title)
-    fig.tight_layout()
+    try:
+        fig.tight_layout()  # lays out (and so parses) every text: a bad one fails here, before any file is written
+    except ValueError as e:
+        print(f"{PROG}: error: the title or a label is not text that matplotlib can draw "
+              f"({str(e).strip().splitlines()[0][:100]}); write a literal $ as \\$", file=sys.stderr)
+        return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out} ({len(curves)} run{'s' if len(curves) != 1 else ''})")

@@ -669,6 +669,32 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert not list(tmp_path.rglob("*.png"))
 
 
+def test_plot_keeps_games_at_equal_global_steps_and_leaves_out_those_a_resume_lost(tmp_path):
+    """Two games at the same global steps (a Ray run's steps move only at its nodes' syncs) are one timeline; a
+    game at fewer steps than the last (a resume from an older checkpoint) drops the games past it."""
+    from plot import read_curve
+    csv_file = tmp_path / "a_monitor.csv"
+    csv_file.write_text(HEADER + "\n" + "".join(f"0,{60 * i},{steps},{score},100,1,0,\n" for i, (steps, score) in
+                                                enumerate([(1000, -21), (1000, 5), (1500, 5), (3000, 7),
+                                                           (2000, 9)], 1)))
+    warnings = []
+    curve = read_curve(csv_file, warnings)
+    assert curve["steps"] == [1000, 1000, 1500, 2000] and curve["score"] == [-21.0, 5.0, 5.0, 9.0]
+    assert len(warnings) == 1 and "1 game(s) left out" in warnings[0]
+    r = run_entry("plot.py", str(csv_file), "--window", "2", "--levels", "-10", "--no-figure", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.splitlines()[2].split()[1:] == ["1k", "/", "2", "min"], r.stdout
+
+
+@pytest.mark.parametrize("flags", [["--title", "score $\\frac{1}$"], ["--labels", "$x^$"]])
+def test_plot_refuses_text_matplotlib_cannot_draw_in_one_line_and_writes_no_figure(tmp_path, flags):
+    (tmp_path / "a_monitor.csv").write_text(HEADER + "\n0,60,1000,-5,100,1,0,\n")
+    r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), "--out", str(tmp_path / "x.png"), *flags, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("plot.py: error: the title or a label is not text that "
+                                                     "matplotlib can draw (") and len(r.stderr.splitlines()) == 1, \
+        r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "x.png").exists()
+
+
 def test_join_pieces_by_hand():
     from plot import join_pieces
     a = {"steps": [10, 20, 30], "score": [1.0, 2.0, 3.0], "hours": [0.1, 0.2, 0.3]}
