@@ -140,8 +140,7 @@ class Ga3cRun(Mode):
         self._agent_starts[a] = starts + 1
         seed = a_args.seed + starts * self.max_agents * self.k
         factory = dataclasses.replace(AtariEnvFactory.for_args(a_args), seed=seed)
-        old = self._agent_processes.get(a)
-        assert old is None or not old.is_alive(), f"agent {a} started while its retired process holds its slots"
+        assert not self._holds_slots(a), f"agent {a} started while its retired process holds its slots"
         self.retire[a].clear()
         self.run.ready[a] = 0
         slots = list(range(a * self.k, (a + 1) * self.k))
