@@ -219,7 +219,9 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert "learning rate 0.001 annealed linearly to 0 at 100 global steps (now 0.001)" in out
     ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
     steps = ckpt["global_steps"]
-    assert 100 <= steps < 200
+    # The stop line above says the budget (the schedule's end, 100) stopped it. How far past 100 the agents got is
+    # not bounded: main reads the step counter every 0.2 s while they step on, faster on an idle machine.
+    assert steps >= 100
     # the trainers anneal their process's copy of the optimizer's settings; the checkpoint's is main's: --lr
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
     # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early), from
