@@ -202,6 +202,25 @@ def read_run(pieces: tuple[Path, ...], warnings: list[str], restarted: bool = Fa
     return curve
 
 
+# matplotlib's "tab10" colours, in its default order
+TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def curve_styles(n: int) -> list[tuple[str, str]]:
+    """(colour, line style) for each of ``n`` curves, no two the same.
+
+    Up to 10 curves: the ten "tab10" colours, solid. Up to 40: the colours again with a dashed, dotted, then
+    dash-dotted line for each further ten. Beyond 40: ``n`` evenly spaced colours of the "viridis" map, solid.
+    """
+    if n <= len(TAB10) * len(LINESTYLES):
+        return [(TAB10[i % len(TAB10)], LINESTYLES[i // len(TAB10)]) for i in range(n)]
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+    cmap = colormaps["viridis"]
+    return [(to_hex(cmap(i / (n - 1))), "-") for i in range(n)]
+
+
 def rolling_mean(values: list[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
@@ -389,11 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for (path, c), label in zip(curves, labels):
+    for (path, c), label, (color, style) in zip(curves, labels, curve_styles(len(curves))):
         smooth = rolling_mean(c["score"], args.window)
         for ax, x in ((ax_steps, [s / 1e6 for s in c["steps"]]), (ax_time, c["hours"])):
-            line, = ax.plot(x, smooth, label=f"{label} (mean of {args.window})")
-            ax.scatter(x, c["score"], s=6, alpha=0.3, color=line.get_color())
+            ax.plot(x, smooth, color=color, linestyle=style, label=f"{label} (mean of {args.window})")
+            ax.scatter(x, c["score"], s=6, alpha=0.3, color=color)
     ax_steps.set_xlabel("global agent steps (millions)")
     ax_time.set_xlabel("wall time (hours)")
     ax_steps.set_ylabel("monitor game score")

@@ -669,6 +669,36 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert not list(tmp_path.rglob("*.png"))
 
 
+def test_curve_styles_are_distinct_for_any_number_of_runs():
+    from plot import curve_styles
+    for n in (1, 10, 11, 40, 41, 60):
+        styles = curve_styles(n)
+        assert len(styles) == n and len(set(styles)) == n, n
+    assert curve_styles(11)[0] == ("#1f77b4", "-") and curve_styles(11)[10] == ("#1f77b4", "--")
+
+
+def test_plot_draws_eleven_runs_in_eleven_styles(tmp_path, monkeypatch):
+    import matplotlib.figure
+    import plot
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    paths = []
+    for k in range(11):
+        path = tmp_path / f"run{k}_monitor.csv"
+        path.write_text(header + "".join(f"0,{60 * (i + 1)},{1000 * (i + 1)},{k - 21 + i},100,1,0,\n" for i in range(3)))
+        paths.append(str(path))
+    drawn = []
+    real = matplotlib.figure.Figure.savefig
+    def savefig(fig, *args, **kwargs):
+        for ax in fig.axes:
+            drawn.append([(line.get_color(), line.get_linestyle(), line.get_label()) for line in ax.get_lines()])
+        return real(fig, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert plot.main([*paths, "--out", str(tmp_path / "all.png")]) == 0
+    assert len(drawn) == 2 and drawn[0] == drawn[1]  # the same style for a run in both panels
+    assert len(drawn[0]) == 11 and len({(c, s) for c, s, _ in drawn[0]}) == 11
+    assert [label.split(" (")[0] for _, _, label in drawn[0]] == [f"run{k}" for k in range(11)]
+
+
 def test_plot_keeps_games_at_equal_global_steps_and_leaves_out_those_a_resume_lost(tmp_path):
     """Two games at the same global steps (a Ray run's steps move only at its nodes' syncs) are one timeline; a
     game at fewer steps than the last (a resume from an older checkpoint) drops the games past it."""
