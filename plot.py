@@ -202,21 +202,20 @@ def read_run(pieces: tuple[Path, ...], warnings: list[str], restarted: bool = Fa
     return curve
 
 
-# matplotlib's "tab10" colours, in its default order
-TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 LINESTYLES = ("-", "--", ":", "-.")
 
 
 def curve_styles(n: int) -> list[tuple[str, str]]:
     """(colour, line style) for each of ``n`` curves, no two the same.
 
-    Up to 10 curves: the ten "tab10" colours, solid. Up to 40: the colours again with a dashed, dotted, then
-    dash-dotted line for each further ten. Beyond 40: ``n`` evenly spaced colours of the "viridis" map, solid.
+    Up to 10 curves: matplotlib's ten "tab10" colours, solid. Up to 40: the colours again with a dashed, dotted,
+    then dash-dotted line for each further ten. Beyond 40: ``n`` evenly spaced colours of the "viridis" map, solid.
     """
-    if n <= len(TAB10) * len(LINESTYLES):
-        return [(TAB10[i % len(TAB10)], LINESTYLES[i // len(TAB10)]) for i in range(n)]
     from matplotlib import colormaps
     from matplotlib.colors import to_hex
+    tab10 = [to_hex(c) for c in colormaps["tab10"].colors]
+    if n <= len(tab10) * len(LINESTYLES):
+        return [(tab10[i % len(tab10)], LINESTYLES[i // len(tab10)]) for i in range(n)]
     cmap = colormaps["viridis"]
     return [(to_hex(cmap(i / (n - 1))), "-") for i in range(n)]
 
