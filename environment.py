@@ -4,7 +4,9 @@ The stack, innermost first (see README, "Environment"):
 
 1. ``gymnasium.make(id)``; for ``XNoFrameskip`` ids ``NoopReset`` (1..30 raw NOOPs at a real reset) and
    ``MaxAndSkip`` (repeat the action ``skip_rate`` times, sum the rewards, max over the last 3 raw frames);
-   other ids skip frames in the emulator.
+   other ids skip frames in the emulator, or, with ``see_skipped`` (``--see-skipped-frames``), are stepped one raw
+   frame at a time and wrapped in ``MaxAndSkip`` with the id's own skip (fixed, or drawn from the env's RNG for a
+   range such as ``X-v0``'s 2-4): the same game, with the last raw frames maxed as for ``NoFrameskip`` ids.
 2. A time limit of ``max_episode_length`` agent steps (``truncated``).
 3. ``EpisodicLife`` for learners: a lost life ends the learner's episode (``terminated``) but not the game.
 4. ``FireReset`` when the game's action 1 is FIRE (``presses_fire``).
@@ -142,20 +144,24 @@ class NoopReset(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
 class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Repeat the action ``skip`` raw frames, sum the rewards, stop early at an episode end, and return the
-    element-wise max over the last ``MAX_OVER_FRAMES`` raw frames (removes Atari sprite flicker)."""
+    element-wise max over the last ``MAX_OVER_FRAMES`` raw frames (removes Atari sprite flicker, shows motion).
 
-    def __init__(self, env: gym.Env, skip: int = 4):
+    ``skip`` is an int, or a ``(low, high)`` range from which each step draws ``low <= k < high`` with the
+    wrapped env's ``np_random``, as ale-py's ``AtariEnv`` draws a stochastic frameskip."""
+
+    def __init__(self, env: gym.Env, skip: int | tuple[int, int] = 4):
         gym.utils.RecordConstructorArgs.__init__(self, skip=skip)
         gym.Wrapper.__init__(self, env)
-        self.skip = skip
+        self.skip = tuple(skip) if isinstance(skip, (tuple, list)) else int(skip)
         self._buf = np.zeros((MAX_OVER_FRAMES,) + env.observation_space.shape, dtype=env.observation_space.dtype)
 
     def step(self, action):
+        skip = self.skip if isinstance(self.skip, int) else int(self.env.unwrapped.np_random.integers(*self.skip))
         total = 0.0
         terminated = truncated = False
         n = 0
         info: dict = {}
-        for i in range(self.skip):
+        for i in range(skip):
             obs, reward, terminated, truncated, info = self.env.step(action)
             self._buf[n % MAX_OVER_FRAMES] = obs
             n += 1
@@ -306,19 +312,25 @@ class NormalizeFrame(gym.ObservationWrapper, gym.utils.RecordConstructorArgs):
 
 
 def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, skip_rate: int = 4,
-              episodic_life: bool = True, render_mode: str | None = None) -> gym.Env:
+              episodic_life: bool = True, render_mode: str | None = None, see_skipped: bool = False) -> gym.Env:
     """Build the full preprocessed stack for ``env_id`` (see module docstring).
 
     ``episodic_life`` is on for learners and off for the monitor and evaluation, which play whole games.
+    ``see_skipped`` steps an id whose emulator skips frames one raw frame at a time under ``MaxAndSkip`` with the
+    id's own skip; it changes nothing for ``NoFrameskip`` ids.
     """
     spec = resolve_env_id(env_id)
     kwargs = dict(spec.make_kwargs)
+    if see_skipped and not spec.frameskip_by_us:
+        kwargs["frameskip"] = 1
     if render_mode is not None:
         kwargs["render_mode"] = render_mode
     env = _gym_make(spec.make_id, kwargs)
     if spec.frameskip_by_us:
         env = NoopReset(env, NOOP_MAX)
         env = MaxAndSkip(env, skip_rate)
+    elif see_skipped:
+        env = MaxAndSkip(env, spec.frameskip)
     # agent steps (the reset's NOOPs do not count; FIRE presses and the NOOP after a lost life do)
     env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
     if episodic_life:
@@ -348,13 +360,26 @@ def num_actions(env_id: str) -> int:
         env.close()
 
 
-def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_life: bool) -> dict:
+def max_over_frames(env_id: str, *, skip_rate: int, see_skipped: bool = False) -> int:
+    """How many raw frames an observation is the max of: ``min(skip, MAX_OVER_FRAMES)`` where ``MaxAndSkip``
+    skips (the largest skip of a range), 1 where the emulator does."""
+    spec = resolve_env_id(env_id)
+    if spec.frameskip_by_us:
+        return min(skip_rate, MAX_OVER_FRAMES)
+    if not see_skipped:
+        return 1
+    skip = spec.frameskip[1] - 1 if isinstance(spec.frameskip, (tuple, list)) else spec.frameskip
+    return min(int(skip), MAX_OVER_FRAMES)
+
+
+def protocol(env_id: str, *, max_episode_length: int, skip_rate: int, episodic_life: bool,
+             see_skipped: bool = False) -> dict:
     """The evaluation protocol in words and numbers, so a score can be compared with papers."""
     spec = resolve_env_id(env_id)
     return {
         "env_id": env_id,
         "frameskip": skip_rate if spec.frameskip_by_us else spec.frameskip,
-        "max_over_frames": min(skip_rate, MAX_OVER_FRAMES) if spec.frameskip_by_us else 1,
+        "max_over_frames": max_over_frames(env_id, skip_rate=skip_rate, see_skipped=see_skipped),
         "repeat_action_probability": spec.repeat_action_probability,
         "noop_starts": NOOP_MAX if spec.frameskip_by_us else 0,
         "episodic_life": episodic_life,

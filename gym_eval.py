@@ -218,7 +218,7 @@ def real_time_fps(args: argparse.Namespace) -> float:
     """Video frames per second for real-time playback: the Atari runs at 60 frames/s and each video frame is one
     agent step of ``frameskip`` frames (the mean for stochastic frameskips such as ``(2, 5)``)."""
     skip = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
-                    episodic_life=False)["frameskip"]
+                    episodic_life=False, see_skipped=args.see_skipped_frames)["frameskip"]
     if isinstance(skip, (tuple, list)):
         skip = (skip[0] + skip[1] - 1) / 2
     return 60.0 / skip
@@ -292,7 +292,7 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
         render = (args.render or args.record) and i % args.render_freq == 0
         mode = ("human" if args.render else "rgb_array") if render else None
         env = atari_env(args.env, conf, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
-                        episodic_life=False, render_mode=mode)
+                        episodic_life=False, render_mode=mode, see_skipped=args.see_skipped_frames)
         if args.random_actions:
             model = UniformRandomPolicy(env.action_space.n, args.seed + i)
         elif model is None:
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(folder).mkdir(parents=True, exist_ok=True)
     log = setup_logger(f"eval.{file_stem(args)}", mon_log_path(args))
     proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
-                     episodic_life=False)
+                     episodic_life=False, see_skipped=args.see_skipped_frames)
     for k, v in sorted(vars(args).items()):
         log.info(f"{k}: {v}")
     log.info("policy: uniform random actions" if args.random_actions else f"model: {path}")

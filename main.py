@@ -222,6 +222,25 @@ def train_envs_change_line(saved_config: dict, args: Namespace) -> str:
             f"frame statistics carry over by env slot or worker)")
 
 
+def see_skipped_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed checkpoint saw other observations than this run's learners will
+    (``--see-skipped-frames`` given to one and not the other); "" when they are the same."""
+    was, now = bool(saved_config.get("see_skipped_frames", False)), bool(args.see_skipped_frames)
+    if was == now:
+        return ""
+    words = {False: "the emulator's last frame of each step", True: "the max over each step's last 3 frames"}
+    return (f"the checkpoint was trained on {words[was]}; this run's games show {words[now]} (--see-skipped-frames, "
+            f"for ids whose emulator skips frames)")
+
+
+def see_skipped_line(args: Namespace) -> str:
+    """The start-up line of a run with ``--see-skipped-frames``; "" without it."""
+    if not args.see_skipped_frames:
+        return ""
+    return ("every game shows the max over each step's last 3 frames (--see-skipped-frames: ids whose emulator skips "
+            "frames are stepped one frame at a time, with their own skip)")
+
+
 def optimizer_not_resumed_line(ckpt: dict, args: Namespace) -> str:
     """Why a resumed run starts with fresh optimizer statistics."""
     saved_name = ckpt.get("optimizer_name")
@@ -417,7 +436,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
         for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
-                     train_envs_change_line(saved_config, args), target_met_line(resume_ckpt, args)):
+                     train_envs_change_line(saved_config, args), see_skipped_change_line(saved_config, args),
+                     target_met_line(resume_ckpt, args)):
             if line:
                 log.info(line)
         was = saved_config.get("compute_precision", "fp32")
@@ -430,7 +450,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (train_envs_line(args), short_games_line(args)):
+    for line in (train_envs_line(args), short_games_line(args), see_skipped_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),

@@ -92,7 +92,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 elapsed_offset: float = 0.0) -> None:
     """The monitor loop (see module docstring); returns when ``run.stop`` is set."""
     env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
-                    skip_rate=args.skip_rate, episodic_life=False)
+                    skip_rate=args.skip_rate, episodic_life=False, see_skipped=args.see_skipped_frames)
     mean, std, count = run.norm_stats[run.monitor_norm].tolist()
     if count > 0:
         normalizer(env).set_stats(mean, std, int(count))

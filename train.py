@@ -50,7 +50,7 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     torch.manual_seed(args.seed + rank)
     env_id = train_env_id(args, rank)
     env = atari_env(env_id, load_env_config(args.env_config, env_id), max_episode_length=args.max_episode_length,
-                    skip_rate=args.skip_rate, episodic_life=True)
+                    skip_rate=args.skip_rate, episodic_life=True, see_skipped=args.see_skipped_frames)
     env.action_space.seed(args.seed + rank)
     mean, std, count = run.norm_stats[rank].tolist()
     if count > 0:

@@ -41,6 +41,7 @@ class AtariEnvFactory:
     env_config: str | Path
     max_episode_length: int = 10000
     skip_rate: int = 4
+    see_skipped: bool = False  # --see-skipped-frames
     seed: int | None = None  # env slot s is seeded with seed + s
     env_ids: tuple[str, ...] = ()
     short_slots: int = 0
@@ -52,7 +53,8 @@ class AtariEnvFactory:
         return cls(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed,
                    env_ids=tuple(getattr(args, "train_envs", None) or ()),
                    short_slots=getattr(args, "short_game_slots", 0),
-                   short_length=getattr(args, "short_game_length", 150))
+                   short_length=getattr(args, "short_game_length", 150),
+                   see_skipped=getattr(args, "see_skipped_frames", False))
 
     def env_id_of(self, slot: int) -> str:
         return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id
@@ -68,7 +70,8 @@ class AtariEnvFactory:
         from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
         env_id = self.env_id_of(slot)
         env = atari_env(env_id, load_env_config(self.env_config, env_id),
-                        max_episode_length=self.max_length_of(slot), skip_rate=self.skip_rate, episodic_life=True)
+                        max_episode_length=self.max_length_of(slot), skip_rate=self.skip_rate, episodic_life=True,
+                        see_skipped=self.see_skipped)
         if self.seed is not None:
             env.action_space.seed(self.seed + slot)
         return env

@@ -425,3 +425,98 @@ def test_the_protocol_names_the_frames_the_skip_maxes_over(skip):
                      episodic_life=False)["max_over_frames"]
     assert maxed == min(skip, 3)
     assert obs[1] == (255 if maxed == skip else 0)  # the first raw frame is maxed over iff all frames are
+
+
+class SeededFrames(ScriptedFrames):
+    """``ScriptedFrames`` with an endless script: raw frame t is ``[t, 0, 0]`` (mod 256), reward 1 per frame."""
+
+    def __init__(self):
+        super().__init__(None, None)
+
+    def step(self, action):
+        self.actions.append(action)
+        self.t += 1
+        return np.array([self.t % 256, 0, 0], np.uint8), 1.0, False, False, {}
+
+
+def test_max_and_skip_draws_a_range_skip_per_step_from_the_env_rng_as_ale_py_does():
+    """A ``(low, high)`` skip: each step repeats the action k raw frames, k drawn by ``np_random.integers(low,
+    high)`` of the wrapped env, the call and generator ale-py's ``AtariEnv.step`` uses for ``Pong-v0``'s (2, 5)."""
+    env = MaxAndSkip(SeededFrames(), skip=(2, 5))
+    env.reset(seed=11)
+    reference, _ = gym.utils.seeding.np_random(11)
+    ks = []
+    for _ in range(60):
+        before = env.env.t
+        obs, reward, *_ = env.step(1)
+        k = env.env.t - before
+        assert k == int(reference.integers(2, 5)) and reward == float(k)
+        assert obs.tolist() == [env.env.t % 256, 0, 0]  # the max over this step's frames: its last
+        ks.append(k)
+    assert set(ks) == {2, 3, 4}
+
+
+@pytest.mark.parametrize("env_id", ["Pong-v0", "ALE/Pong-v5", "PongDeterministic-v4", "SpaceInvadersDeterministic-v0"])
+def test_see_skipped_frames_plays_the_same_game_as_the_emulator_s_own_skip(env_id):
+    """The production stack with ``see_skipped`` against the one without, both seeded alike and given the same
+    actions: the same skip at every step (the emulator's frame counter), rewards, ends and RAM (the whole game
+    state, sticky actions included); only the observation differs, the max over the last raw frames."""
+    plain = make(env_id, episodic_life=False)
+    seen = make(env_id, episodic_life=False, see_skipped=True)
+    try:
+        assert not any(isinstance(e, MaxAndSkip) for e in _layers(plain))
+        assert any(isinstance(e, MaxAndSkip) for e in _layers(seen))
+        plain.reset(seed=4)
+        seen.reset(seed=4)
+        actions = np.random.default_rng(4).integers(0, plain.action_space.n, 400)
+        skips, pa, sa = set(), plain.unwrapped.ale, seen.unwrapped.ale
+        observations_differ = 0
+        for a in actions:
+            before = pa.getEpisodeFrameNumber()
+            p, s = plain.step(int(a)), seen.step(int(a))
+            assert p[1:4] == s[1:4]
+            assert pa.getEpisodeFrameNumber() == sa.getEpisodeFrameNumber()
+            assert np.array_equal(pa.getRAM(), sa.getRAM())
+            skips.add(pa.getEpisodeFrameNumber() - before)
+            observations_differ += not np.array_equal(p[0], s[0])
+            if p[2] or p[3]:
+                break
+        assert skips == ({2, 3, 4} if env_id == "Pong-v0" else {resolve_env_id(env_id).frameskip})
+        assert observations_differ > 0
+    finally:
+        plain.close()
+        seen.close()
+
+
+def _layers(env):
+    while True:
+        yield env
+        if not hasattr(env, "env"):
+            return
+        env = env.env
+
+
+def test_see_skipped_frames_leaves_no_frameskip_ids_as_they_are():
+    """``NoFrameskip`` ids already skip in ``MaxAndSkip``: the same stack, the same observations."""
+    a, b = make("PongNoFrameskip-v0"), make("PongNoFrameskip-v0", see_skipped=True)
+    try:
+        assert [type(e) for e in _layers(a)] == [type(e) for e in _layers(b)]
+        oa, _ = a.reset(seed=2)
+        ob, _ = b.reset(seed=2)
+        assert np.array_equal(oa, ob)
+        for t in range(50):
+            ra, rb = a.step(t % 6), b.step(t % 6)
+            assert np.array_equal(ra[0], rb[0]) and ra[1:4] == rb[1:4]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("env_id,plain,seen", [("Pong-v0", 1, 3), ("ALE/Pong-v5", 1, 3), ("PongNoFrameskip-v4", 3, 3),
+                                               ("SpaceInvadersDeterministic-v4", 1, 3)])
+def test_the_protocol_names_what_see_skipped_frames_maxes_over(env_id, plain, seen):
+    kw = {"max_episode_length": 10000, "skip_rate": 4, "episodic_life": False}
+    assert protocol(env_id, **kw)["max_over_frames"] == plain
+    p = protocol(env_id, **kw, see_skipped=True)
+    assert p["max_over_frames"] == seen
+    assert p["frameskip"] == protocol(env_id, **kw)["frameskip"]  # the same skip: only the observation changes

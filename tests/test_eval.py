@@ -242,7 +242,7 @@ def test_random_actions_are_seeded_per_game_whoever_plays_it(monkeypatch):
     monkeypatch.setattr(player_util, "play_game", first_actions)
     args = argparse.Namespace(env_config=str(ROOT / "config.json"), env="PongNoFrameskip-v4", random_actions=True,
                               seed=5, render=False, record=None, trace=None, render_freq=1, max_episode_length=100,
-                              skip_rate=4, hidden_size=32)
+                              skip_rate=4, hidden_size=32, see_skipped_frames=False)
 
     def played(games):
         q = queue.Queue()
@@ -818,3 +818,18 @@ def test_the_games_are_played_after_use_device(monkeypatch):
     gym_eval.play_games(argparse.Namespace(env_config=str(ROOT / "config.json"), env="PongNoFrameskip-v4"), {}, [],
                         torch.device("cpu"), queue.Queue())
     assert calls == [torch.device("cpu")]
+
+
+def test_see_skipped_frames_evaluates_the_same_games_and_says_what_it_maxed(tmp_path):
+    """gym_eval.py with ``--see-skipped-frames`` on ``Pong-v0``: random actions (seeded per game) play the same
+    games as without it, score for score and length for length, and the JSON's protocol names the 3 frames."""
+    flags = ["--env", "Pong-v0", "--random-actions", "--num-episodes", "2", "--seed", "3", "--log-dir",
+             str(tmp_path / "logs"), "--max-episode-length", "200"]
+    r = run_entry("gym_eval.py", *flags, "--json", str(tmp_path / "plain.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_entry("gym_eval.py", *flags, "--see-skipped-frames", "--json", str(tmp_path / "seen.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plain, seen = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "seen"))
+    assert (seen["scores"], seen["lengths"], seen["points"]) == (plain["scores"], plain["lengths"], plain["points"])
+    assert plain["protocol"]["max_over_frames"] == 1 and seen["protocol"]["max_over_frames"] == 3
+    assert seen["protocol"]["frameskip"] == plain["protocol"]["frameskip"] == [2, 5]

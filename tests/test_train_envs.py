@@ -240,3 +240,79 @@ def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, 
     ckpt = load_saved(models_dir(tmp_path))["PongNoFrameskip-v4.ckpt"]
     assert ckpt["global_steps"] >= 20
     assert ckpt["config"]["train_envs"] == ["PongNoFrameskip-v4", "PongNoFrameskip-v4", "ALE/Pong-v5", "Pong-v0"]
+
+
+class _Built(Exception):
+    """Raised by a stand-in ``atari_env`` once it has recorded what it was asked to build."""
+
+
+def test_see_skipped_frames_reaches_every_env_a_run_and_an_evaluation_build(tmp_path, monkeypatch):
+    """``--see-skipped-frames`` on main.py's parser: the GA3C factory's learner envs, an A3G worker's env and the
+    monitor's env are all built with ``see_skipped=True`` (``MaxAndSkip`` over ``Pong-v0``'s random skip); without
+    the flag, none is."""
+    import test as monitor_module
+    from environment import MaxAndSkip
+    from ga3c.agent import AtariEnvFactory
+    real = train.atari_env
+    for flag, expected in (([], False), (["--see-skipped-frames"], True)):
+        args, errors = parse(tmp_path, "--env", "Pong-v0", "--hidden-size", "32", "--num-steps", "5", *flag)
+        assert errors == [] and args.see_skipped_frames is expected
+        env = AtariEnvFactory.for_args(args)(0)
+        try:
+            assert built_as(env) == ("Pong-v0", 0.25, expected)
+        finally:
+            env.close()
+        built = []
+        monkeypatch.setattr(train, "atari_env", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+        shared = A3Clstm(1, 6, 32)
+        shared.share_memory()
+        assert train.run_worker(0, args, shared, None, RunState(1), CPU, max_updates=1) == 1
+        assert len(built) == 1 and built_as(built[0]) == ("Pong-v0", 0.25, expected)
+        asked = []
+
+        def record(*a, **k):
+            asked.append(k.get("see_skipped", False))
+            raise _Built
+
+        monkeypatch.setattr(monitor_module, "atari_env", record)
+        with pytest.raises(_Built):
+            monitor_module.run_monitor(args, shared, RunState(1), CPU)
+        assert asked == [expected]
+        assert any(isinstance(e, MaxAndSkip) for e in _all_layers(built[0])) is expected
+
+
+def _all_layers(env):
+    while hasattr(env, "env"):
+        yield env
+        env = env.env
+    yield env
+
+
+@pytest.mark.parametrize("saved,flag,line", [
+    ({}, [], ""), ({"see_skipped_frames": True}, ["--see-skipped-frames"], ""),
+    ({}, ["--see-skipped-frames"], "the checkpoint was trained on the emulator's last frame of each step; this "
+     "run's games show the max over each step's last 3 frames (--see-skipped-frames, for ids whose emulator skips "
+     "frames)"),
+    ({"see_skipped_frames": True}, [], "the checkpoint was trained on the max over each step's last 3 frames; this "
+     "run's games show the emulator's last frame of each step (--see-skipped-frames, for ids whose emulator skips "
+     "frames)")])
+def test_a_resume_that_changes_what_the_games_show_says_so(tmp_path, saved, flag, line):
+    from main import see_skipped_change_line
+    args, errors = parse(tmp_path, "--env", "Pong-v0", *flag)
+    assert errors == [] and see_skipped_change_line({"env": "Pong-v0", **saved}, args) == line
+
+
+def test_main_trains_with_see_skipped_frames_and_keeps_it_in_the_checkpoint(tmp_path):
+    common = ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"),
+              "--env-config", str(ROOT / "config.json"), "--hidden-size", "32", "--env", "Pong-v0", "--agents", "1",
+              "--envs-per-agent", "2", "--train-batch", "2", "--num-steps", "5", "--precision", "fp32"]
+    r = run_entry("main.py", *common, "--max-steps", "100", "--see-skipped-frames", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "every game shows the max over each step's last 3 frames (--see-skipped-frames" in r.stdout
+    ckpt = torch.load(tmp_path / "models" / "Pong-v0.ckpt", weights_only=True)
+    assert ckpt["config"]["see_skipped_frames"] is True and ckpt["global_steps"] >= 100
+    r = run_entry("main.py", *common, "--max-steps", "200", "--load", "--load-model-dir", str(tmp_path / "models"),
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "this run's games show the emulator's last frame of each step" in r.stdout
+    assert "every game shows the max" not in r.stdout
