@@ -9,7 +9,8 @@ A game is a whole game over all lives. It is played greedily (argmax of the poli
 time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--seed + i`` and starts from fresh
 normalisation statistics, so a seed gives the same scores with any number of ``--workers``. ``--random-actions``
 plays the same games with uniformly random actions instead of a model (seeded per game as well): what chance
-scores under exactly this protocol.
+scores under exactly this protocol. A model whose card says ``"see_skipped_frames": true`` (trained with
+``main.py --see-skipped-frames``) plays with that flag on unless ``--no-see-skipped-frames`` is given.
 
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
 mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-actions", action="store_true",
                    help="play uniformly random actions instead of a model, under the same protocol: the chance "
                         "level a model is compared with (no model file is read; default file names get _random)")
+    p.set_defaults(see_skipped_frames=None)
+    p.add_argument("--no-see-skipped-frames", dest="see_skipped_frames", action="store_false",
+                   help="show the emulator's last frame of each step even where the model's card says "
+                        "see_skipped_frames (--see-skipped-frames' default: as the card says, else off)")
     p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json; with "
                                                 "--random-actions <log-dir>/<env>_random_eval.json)")
     return p
@@ -121,6 +126,16 @@ def resolve_model_file(args: argparse.Namespace) -> Path:
         if c.is_file():
             return c
     return given
+
+
+def card_sees_skipped_frames(model: Path) -> bool:
+    """Whether the card beside ``model`` (``<stem>.json`` whose ``model_file`` names it) says the model was trained
+    with ``--see-skipped-frames`` (``"see_skipped_frames": true``); False without such a card."""
+    try:
+        card = json.loads(model.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(card, dict) and card.get("model_file") == model.name and card.get("see_skipped_frames") is True
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -458,6 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in args.precision_warnings:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if args.see_skipped_frames is None:
+        args.see_skipped_frames = not args.random_actions and card_sees_skipped_frames(path)
+        if args.see_skipped_frames:
+            print(f"{PROG}: {path.with_suffix('.json')} says the model was trained on the max over each step's "
+                  f"last 3 frames: --see-skipped-frames is on (--no-see-skipped-frames plays without it)", flush=True)
 
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -833,3 +833,23 @@ def test_see_skipped_frames_evaluates_the_same_games_and_says_what_it_maxed(tmp_
     assert (seen["scores"], seen["lengths"], seen["points"]) == (plain["scores"], plain["lengths"], plain["points"])
     assert plain["protocol"]["max_over_frames"] == 1 and seen["protocol"]["max_over_frames"] == 3
     assert seen["protocol"]["frameskip"] == plain["protocol"]["frameskip"] == [2, 5]
+
+
+@pytest.mark.parametrize("card,flags,maxed,line", [
+    ({"see_skipped_frames": True}, [], 3, True),
+    ({"see_skipped_frames": True}, ["--no-see-skipped-frames"], 1, False),
+    ({"see_skipped_frames": True, "model_file": "other.dat"}, [], 1, False),  # a card of another file
+    ({}, [], 1, False),
+    ({}, ["--see-skipped-frames"], 3, False),
+    (None, [], 1, False)])  # no card
+def test_a_model_s_card_turns_see_skipped_frames_on_unless_told_otherwise(tmp_path, model_dir, card, flags, maxed,
+                                                                           line):
+    """``--env Pong-v0`` finds ``Pong-v0.dat`` by its name; its card's ``see_skipped_frames`` decides what the games
+    show unless a flag does; the summary JSON's protocol says what they showed."""
+    (model_dir / "PongNoFrameskip-v4.dat").rename(model_dir / "Pong-v0.dat")
+    if card is not None:
+        (model_dir / "Pong-v0.json").write_text(json.dumps({"model_file": "Pong-v0.dat", **card}))
+    s, r = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--env", "Pong-v0", *flags)
+    assert s["model"].endswith("Pong-v0.dat") and s["protocol"]["max_over_frames"] == maxed
+    assert ("says the model was trained on the max over each step's last 3 frames: --see-skipped-frames is on"
+            in r.stdout) is line
