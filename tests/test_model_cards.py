@@ -117,6 +117,7 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
         if e["episodes"] < 100:
             found.append(f"{where}: {e['episodes']} games, a card's evaluations have at least 100")
         sticky.add(e["protocol"].get("repeat_action_probability", 0) > 0)
+    found += _observation_problems(card, name)
     for is_sticky, what in ((False, "the default protocol (no sticky actions)"), (True, "sticky actions")):
         if is_sticky not in sticky:
             found.append(f"{name}: no evaluation with {what}")
@@ -125,6 +126,25 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
     quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
     measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + (card.get("chance") or [])}
     return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+
+
+def _observation_problems(card: dict, name: str) -> list[str]:
+    """Each evaluation showed what the model was trained on: the max over the frames ``--see-skipped-frames``
+    gives where the card says ``see_skipped_frames``, the emulator's last frame where not (``max_over_frames``
+    of its protocol, as ``environment.protocol`` names it for that id and flag)."""
+    from environment import max_over_frames
+    seen = card.get("see_skipped_frames", False)
+    if seen not in (True, False):
+        return [f"{name}: see_skipped_frames is {seen!r}, not true or false"]
+    found = []
+    for e in card["evaluations"]:
+        skip = e["protocol"].get("frameskip")
+        expected = max_over_frames(e["env"], skip_rate=skip if isinstance(skip, int) else 4, see_skipped=seen)
+        if e["protocol"].get("max_over_frames") != expected:
+            found.append(f"{name} evaluation on {e['env']} ({e['source']}): max_over_frames "
+                         f"{e['protocol'].get('max_over_frames')}, the model "
+                         f"{'sees' if seen else 'does not see'} skipped frames ({expected})")
+    return found
 
 
 def _format_problems(card: dict, model: Path, name: str) -> list[str]:
@@ -609,3 +629,16 @@ def test_gym_eval_finds_the_shipped_model_for_each_protocol_without_flags(env_id
     """What ``python gym_eval.py --env ENV`` loads from trained_models/ with no --model-file."""
     from gym_eval import default_model_file
     assert default_model_file(ROOT / "trained_models", env_id) == ROOT / "trained_models" / model
+
+
+@pytest.mark.parametrize("value,expected", [
+    (True, "ALE_Pong-v5.json evaluation on ALE/Pong-v5 (results/pong_mix_half_eval_v5.json): max_over_frames 1, the "
+           "model sees skipped frames (3)"),
+    ("yes", "ALE_Pong-v5.json: see_skipped_frames is 'yes', not true or false")])
+def test_a_card_whose_evaluations_showed_other_frames_than_it_says_is_reported(repo_copy, value, expected):
+    """A card that says ``see_skipped_frames`` (gym_eval.py then turns the flag on) must cite evaluations that
+    played with it: the sticky Pong card's evaluations showed the emulator's last frame."""
+    path = repo_copy / "trained_models" / "ALE_Pong-v5.json"
+    card = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(card, see_skipped_frames=value), indent=2))
+    assert expected in card_problems(repo_copy / "trained_models", repo_copy)
