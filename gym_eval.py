@@ -10,7 +10,8 @@ time limit of ``--max-episode-length`` agent steps. Game i is seeded with ``--se
 normalisation statistics, so a seed gives the same scores with any number of ``--workers``. ``--random-actions``
 plays the same games with uniformly random actions instead of a model (seeded per game as well): what chance
 scores under exactly this protocol. A model whose card says ``"see_skipped_frames": true`` (trained with
-``main.py --see-skipped-frames``) plays with that flag on unless ``--no-see-skipped-frames`` is given.
+``main.py --see-skipped-frames``; the card's sha256 that of the file), or a ``.ckpt`` whose configuration does,
+plays with that flag on unless ``--no-see-skipped-frames`` is given.
 
 Outputs: the upstream line per game in ``<log-dir>/<env>_mon_log`` (appended); a final summary line (games,
 mean ± std, min, max, median, and the protocol); where the model file has a card (``<stem>.json`` beside it, as
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import ModelFileError, check_state_dict, model_path, read_weights, state_dict_of
+from checkpoint import ModelFileError, check_state_dict, is_checkpoint, model_path, read_weights, state_dict_of
 from cli import Parser
 from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(see_skipped_frames=None)
     p.add_argument("--no-see-skipped-frames", dest="see_skipped_frames", action="store_false",
                    help="show the emulator's last frame of each step even where the model's card says "
-                        "see_skipped_frames (--see-skipped-frames' default: as the card says, else off)")
+                        "see_skipped_frames (--see-skipped-frames' default: as the card or a .ckpt's configuration "
+                        "says, else off)")
     p.add_argument("--json", default=None, help="summary JSON path (default: <log-dir>/<env>_eval.json; with "
                                                 "--random-actions <log-dir>/<env>_random_eval.json)")
     return p
@@ -128,14 +130,23 @@ def resolve_model_file(args: argparse.Namespace) -> Path:
     return given
 
 
-def card_sees_skipped_frames(model: Path) -> bool:
-    """Whether the card beside ``model`` (``<stem>.json`` whose ``model_file`` names it) says the model was trained
-    with ``--see-skipped-frames`` (``"see_skipped_frames": true``); False without such a card."""
+def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str | None:
+    """What says the model was trained with ``--see-skipped-frames``, or None: the card beside ``model``
+    (``<stem>.json`` whose ``model_file`` names it and whose ``sha256`` is the file's) with ``"see_skipped_frames":
+    true``, or a ``.ckpt``'s saved configuration. A bare ``.dat`` without such a card says nothing."""
+    if isinstance(obj, dict) and is_checkpoint(obj):
+        config = obj.get("config")
+        return "the checkpoint's configuration" if isinstance(config, dict) and \
+            config.get("see_skipped_frames") is True else None
+    path = model.with_suffix(".json")
     try:
-        card = json.loads(model.with_suffix(".json").read_text())
+        card = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(card, dict) and card.get("model_file") == model.name and card.get("see_skipped_frames") is True
+        return None
+    if (isinstance(card, dict) and card.get("model_file") == model.name and sha256 is not None
+            and card.get("sha256") == sha256 and card.get("see_skipped_frames") is True):
+        return str(path)
+    return None
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -449,7 +460,7 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     errors = validate(args)
-    state_dict, model_sha256 = None, None
+    state_dict, model_sha256, obj = None, None, None
     path = resolve_model_file(args)
     if not errors and not args.random_actions:
         try:
@@ -474,10 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in args.precision_warnings:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if args.see_skipped_frames is None:
-        args.see_skipped_frames = not args.random_actions and card_sees_skipped_frames(path)
-        if args.see_skipped_frames:
-            print(f"{PROG}: {path.with_suffix('.json')} says the model was trained on the max over each step's "
-                  f"last 3 frames: --see-skipped-frames is on (--no-see-skipped-frames plays without it)", flush=True)
+        said_by = None if args.random_actions else trained_seeing_skipped_frames(path, model_sha256, obj)
+        args.see_skipped_frames = said_by is not None
+        if said_by:
+            print(f"{PROG}: {said_by} says the model was trained on the max over each step's last frames: "
+                  f"--see-skipped-frames is on (--no-see-skipped-frames plays without it)", flush=True)
 
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -226,19 +226,27 @@ def see_skipped_change_line(saved_config: dict, args: Namespace) -> str:
     """The line that says a resumed checkpoint saw other observations than this run's learners will
     (``--see-skipped-frames`` given to one and not the other); "" when they are the same."""
     was, now = bool(saved_config.get("see_skipped_frames", False)), bool(args.see_skipped_frames)
-    if was == now:
+    if was == now or not plays_emulator_skips(args):
         return ""
-    words = {False: "the emulator's last frame of each step", True: "the max over each step's last 3 frames"}
+    words = {False: "the emulator's last frame of each step", True: "the max over each step's last frames (up to 3)"}
     return (f"the checkpoint was trained on {words[was]}; this run's games show {words[now]} (--see-skipped-frames, "
             f"for ids whose emulator skips frames)")
 
 
+def plays_emulator_skips(args: Namespace) -> bool:
+    """Whether ``--env`` or an id of ``--train-envs`` skips frames in the emulator (what ``--see-skipped-frames``
+    changes; ``NoFrameskip`` ids show the max over the skipped frames either way)."""
+    from environment import resolve_env_id
+    return any(not resolve_env_id(e).frameskip_by_us for e in [args.env, *(args.train_envs or [])])
+
+
 def see_skipped_line(args: Namespace) -> str:
-    """The start-up line of a run with ``--see-skipped-frames``; "" without it."""
-    if not args.see_skipped_frames:
+    """The start-up line of a run with ``--see-skipped-frames`` that plays an id whose emulator skips frames; ""
+    otherwise."""
+    if not args.see_skipped_frames or not plays_emulator_skips(args):
         return ""
-    return ("every game shows the max over each step's last 3 frames (--see-skipped-frames: ids whose emulator skips "
-            "frames are stepped one frame at a time, with their own skip)")
+    return ("every game shows the max over each step's last frames, up to 3 (--see-skipped-frames: ids whose "
+            "emulator skips frames are stepped one frame at a time, with their own skip)")
 
 
 def optimizer_not_resumed_line(ckpt: dict, args: Namespace) -> str:

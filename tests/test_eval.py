@@ -839,17 +839,35 @@ def test_see_skipped_frames_evaluates_the_same_games_and_says_what_it_maxed(tmp_
     ({"see_skipped_frames": True}, [], 3, True),
     ({"see_skipped_frames": True}, ["--no-see-skipped-frames"], 1, False),
     ({"see_skipped_frames": True, "model_file": "other.dat"}, [], 1, False),  # a card of another file
+    ({"see_skipped_frames": True, "sha256": "0" * 64}, [], 1, False),  # a card of a file since replaced
     ({}, [], 1, False),
     ({}, ["--see-skipped-frames"], 3, False),
     (None, [], 1, False)])  # no card
 def test_a_model_s_card_turns_see_skipped_frames_on_unless_told_otherwise(tmp_path, model_dir, card, flags, maxed,
                                                                            line):
     """``--env Pong-v0`` finds ``Pong-v0.dat`` by its name; its card's ``see_skipped_frames`` decides what the games
-    show unless a flag does; the summary JSON's protocol says what they showed."""
+    show unless a flag does (a card whose sha256 is another file's decides nothing); the summary JSON's protocol
+    says what they showed."""
+    import hashlib
     (model_dir / "PongNoFrameskip-v4.dat").rename(model_dir / "Pong-v0.dat")
     if card is not None:
-        (model_dir / "Pong-v0.json").write_text(json.dumps({"model_file": "Pong-v0.dat", **card}))
+        sha = hashlib.sha256((model_dir / "Pong-v0.dat").read_bytes()).hexdigest()
+        (model_dir / "Pong-v0.json").write_text(json.dumps({"model_file": "Pong-v0.dat", "sha256": sha, **card}))
     s, r = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--env", "Pong-v0", *flags)
     assert s["model"].endswith("Pong-v0.dat") and s["protocol"]["max_over_frames"] == maxed
-    assert ("says the model was trained on the max over each step's last 3 frames: --see-skipped-frames is on"
-            in r.stdout) is line
+    assert (f"{model_dir / 'Pong-v0.json'} says the model was trained on the max over each step's last frames: "
+            f"--see-skipped-frames is on" in r.stdout) is line
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_checkpoint_s_configuration_turns_see_skipped_frames_on(tmp_path, model_dir, saved):
+    """A ``.ckpt`` keeps the run's flags: ``--model-file run.ckpt`` plays as the run trained."""
+    from checkpoint import CHECKPOINT_FORMAT
+    sd = torch.load(model_dir / "PongNoFrameskip-v4.dat", weights_only=True)
+    torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "model": sd, "config": {"see_skipped_frames": saved}},
+               model_dir / "run.ckpt")
+    s, r = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--env", "Pong-v0", "--model-file",
+                    str(model_dir / "run.ckpt"))
+    assert s["protocol"]["max_over_frames"] == (3 if saved else 1)
+    assert ("the checkpoint's configuration says the model was trained on the max over each step's last frames"
+            in r.stdout) is saved

@@ -291,15 +291,23 @@ def _all_layers(env):
 @pytest.mark.parametrize("saved,flag,line", [
     ({}, [], ""), ({"see_skipped_frames": True}, ["--see-skipped-frames"], ""),
     ({}, ["--see-skipped-frames"], "the checkpoint was trained on the emulator's last frame of each step; this "
-     "run's games show the max over each step's last 3 frames (--see-skipped-frames, for ids whose emulator skips "
-     "frames)"),
-    ({"see_skipped_frames": True}, [], "the checkpoint was trained on the max over each step's last 3 frames; this "
-     "run's games show the emulator's last frame of each step (--see-skipped-frames, for ids whose emulator skips "
-     "frames)")])
+     "run's games show the max over each step's last frames (up to 3) (--see-skipped-frames, for ids whose "
+     "emulator skips frames)"),
+    ({"see_skipped_frames": True}, [], "the checkpoint was trained on the max over each step's last frames (up to "
+     "3); this run's games show the emulator's last frame of each step (--see-skipped-frames, for ids whose "
+     "emulator skips frames)")])
 def test_a_resume_that_changes_what_the_games_show_says_so(tmp_path, saved, flag, line):
-    from main import see_skipped_change_line
+    from main import see_skipped_change_line, see_skipped_line
     args, errors = parse(tmp_path, "--env", "Pong-v0", *flag)
     assert errors == [] and see_skipped_change_line({"env": "Pong-v0", **saved}, args) == line
+    # a run that plays NoFrameskip ids only: the flag changes nothing there, and no line says it does
+    args, errors = parse(tmp_path, "--env", "PongNoFrameskip-v4", "--train-envs", "PongNoFrameskip-v4",
+                         "PongNoFrameskip-v0", *flag)
+    assert errors == [] and see_skipped_change_line({"env": "PongNoFrameskip-v4", **saved}, args) == ""
+    assert see_skipped_line(args) == ""
+    args, errors = parse(tmp_path, "--env", "PongNoFrameskip-v4", "--train-envs", "PongNoFrameskip-v4", "Pong-v0",
+                         *flag)
+    assert errors == [] and (see_skipped_line(args) != "") is bool(flag)
 
 
 def test_main_trains_with_see_skipped_frames_and_keeps_it_in_the_checkpoint(tmp_path):
@@ -308,7 +316,7 @@ def test_main_trains_with_see_skipped_frames_and_keeps_it_in_the_checkpoint(tmp_
               "--envs-per-agent", "2", "--train-batch", "2", "--num-steps", "5", "--precision", "fp32"]
     r = run_entry("main.py", *common, "--max-steps", "100", "--see-skipped-frames", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "every game shows the max over each step's last 3 frames (--see-skipped-frames" in r.stdout
+    assert "every game shows the max over each step's last frames, up to 3 (--see-skipped-frames" in r.stdout
     ckpt = torch.load(tmp_path / "models" / "Pong-v0.ckpt", weights_only=True)
     assert ckpt["config"]["see_skipped_frames"] is True and ckpt["global_steps"] >= 100
     r = run_entry("main.py", *common, "--max-steps", "200", "--load", "--load-model-dir", str(tmp_path / "models"),
