@@ -226,11 +226,13 @@ def test_main_trains_on_the_mix_and_says_so(tmp_path):
     assert ckpt["config"]["train_envs"] == MIX and ckpt["global_steps"] >= 150
 
 
-def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, tmp_path):  # noqa: F811
-    """kill -9 of the agent whose slots play the other ids: the run ends with nothing left running (the fixture
-    asserts so at teardown), and the last checkpoint loads and names the mix."""
+@pytest.mark.parametrize("flags", [[], ["--see-skipped-frames"]])
+def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, tmp_path, flags):  # noqa: F811
+    """kill -9 of the agent whose slots play the other ids (with ``--see-skipped-frames``, stepped one frame at a
+    time): the run ends with nothing left running (the fixture asserts so at teardown), and the last checkpoint
+    loads and names the mix and the flag."""
     run = launch(ga3c_fault_args(tmp_path, "--agents", "2", "--train-envs", "PongNoFrameskip-v4", "PongNoFrameskip-v4",
-                                 "ALE/Pong-v5", "Pong-v0"))
+                                 "ALE/Pong-v5", "Pong-v0", *flags))
     victim = run.role("ga3c agent 1")  # slots 2 and 3: ALE/Pong-v5 and Pong-v0
     wait_for_steps(run, tmp_path, minimum=20)
     t = time.monotonic()
@@ -240,6 +242,7 @@ def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, 
     ckpt = load_saved(models_dir(tmp_path))["PongNoFrameskip-v4.ckpt"]
     assert ckpt["global_steps"] >= 20
     assert ckpt["config"]["train_envs"] == ["PongNoFrameskip-v4", "PongNoFrameskip-v4", "ALE/Pong-v5", "Pong-v0"]
+    assert ckpt["config"]["see_skipped_frames"] is bool(flags)
 
 
 class _Built(Exception):
