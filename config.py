@@ -45,8 +45,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
     p.add_argument("--skip-rate", "-sk", type=int, default=4,
                    help="frames per agent step for NoFrameskip ids (default: %(default)s)")
     p.add_argument("--see-skipped-frames", action="store_true",
-                   help="for ids whose emulator skips frames (X-v0, ALE/X-v5, XDeterministic-v4): step the emulator "
-                        "one frame at a time with the id's own skip (fixed, or X-v0's random 2-4) and show the max "
+                   help="for ids whose emulator skips frames (X-v0, X-v4, ALE/X-v5, XDeterministic-v4): step the "
+                        "emulator one frame at a time with the id's own skip (fixed, or a random 2-4) and show the max "
                         "over the step's last frames (up to 3), as for NoFrameskip ids; the same game, an "
                         "observation that shows motion (default: the emulator's last frame)")
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")

@@ -147,12 +147,18 @@ class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
     element-wise max over the last ``MAX_OVER_FRAMES`` raw frames (removes Atari sprite flicker, shows motion).
 
     ``skip`` is an int, or a ``(low, high)`` range from which each step draws ``low <= k < high`` with the
-    wrapped env's ``np_random``, as ale-py's ``AtariEnv`` draws a stochastic frameskip."""
+    wrapped env's ``np_random``, as ale-py's ``AtariEnv`` draws a stochastic frameskip.
 
-    def __init__(self, env: gym.Env, skip: int | tuple[int, int] = 4):
-        gym.utils.RecordConstructorArgs.__init__(self, skip=skip)
+    With ``finish_skip`` a step that ends the episode early still sends the action for the rest of its ``k``
+    frames, as ale-py's own frameskip does: the emulator plays no more of the ended game, but each frame still
+    draws from ALE's sticky-action generator, which an unseeded reset does not reseed, so the next game is the
+    one the emulator's skip would have played. The observation stays the max up to the end frame."""
+
+    def __init__(self, env: gym.Env, skip: int | tuple[int, int] = 4, finish_skip: bool = False):
+        gym.utils.RecordConstructorArgs.__init__(self, skip=skip, finish_skip=finish_skip)
         gym.Wrapper.__init__(self, env)
         self.skip = tuple(skip) if isinstance(skip, (tuple, list)) else int(skip)
+        self.finish_skip = bool(finish_skip)
         self._buf = np.zeros((MAX_OVER_FRAMES,) + env.observation_space.shape, dtype=env.observation_space.dtype)
 
     def step(self, action):
@@ -167,6 +173,10 @@ class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
             n += 1
             total += float(reward)
             if terminated or truncated:
+                for _ in range(skip - 1 - i if self.finish_skip else 0):
+                    _, reward, after_terminated, after_truncated, info = self.env.step(action)
+                    total += float(reward)
+                    terminated, truncated = terminated or after_terminated, truncated or after_truncated
                 break
         frames = self._buf[: min(n, MAX_OVER_FRAMES)]
         return frames.max(axis=0), total, terminated, truncated, info
@@ -330,7 +340,7 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
         env = NoopReset(env, NOOP_MAX)
         env = MaxAndSkip(env, skip_rate)
     elif see_skipped:
-        env = MaxAndSkip(env, spec.frameskip)
+        env = MaxAndSkip(env, spec.frameskip, finish_skip=True)
     # agent steps (the reset's NOOPs do not count; FIRE presses and the NOOP after a lost life do)
     env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
     if episodic_life:

@@ -52,7 +52,7 @@ import torch
 from checkpoint import ModelFileError, check_state_dict, is_checkpoint, model_path, read_weights, state_dict_of
 from cli import Parser
 from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
-from environment import atari_env, load_env_config, num_actions, protocol
+from environment import atari_env, load_env_config, num_actions, protocol, resolve_env_id
 from model import A3Clstm
 import precision
 from precision import PRECISIONS
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.see_skipped_frames is None:
         said_by = None if args.random_actions else trained_seeing_skipped_frames(path, model_sha256, obj)
         args.see_skipped_frames = said_by is not None
-        if said_by:
+        if said_by and not resolve_env_id(args.env).frameskip_by_us:  # NoFrameskip ids show the max either way
             print(f"{PROG}: {said_by} says the model was trained on the max over each step's last frames: "
                   f"--see-skipped-frames is on (--no-see-skipped-frames plays without it)", flush=True)
 

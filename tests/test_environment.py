@@ -428,7 +428,8 @@ def test_the_protocol_names_the_frames_the_skip_maxes_over(skip):
 
 
 class SeededFrames(ScriptedFrames):
-    """``ScriptedFrames`` with an endless script: raw frame t is ``[t, 0, 0]`` (mod 256), reward 1 per frame."""
+    """``ScriptedFrames`` with an endless script: raw frame t is ``[255 - t, 0, 0]`` (falling, so that a max over a
+    frame left from the step before would show), reward 1 per frame."""
 
     def __init__(self):
         super().__init__(None, None)
@@ -436,7 +437,8 @@ class SeededFrames(ScriptedFrames):
     def step(self, action):
         self.actions.append(action)
         self.t += 1
-        return np.array([self.t % 256, 0, 0], np.uint8), 1.0, False, False, {}
+        assert self.t <= 255, "the script has 255 frames"
+        return np.array([255 - self.t, 0, 0], np.uint8), 1.0, False, False, {}
 
 
 def test_max_and_skip_draws_a_range_skip_per_step_from_the_env_rng_as_ale_py_does():
@@ -451,7 +453,8 @@ def test_max_and_skip_draws_a_range_skip_per_step_from_the_env_rng_as_ale_py_doe
         obs, reward, *_ = env.step(1)
         k = env.env.t - before
         assert k == int(reference.integers(2, 5)) and reward == float(k)
-        assert obs.tolist() == [env.env.t % 256, 0, 0]  # the max over this step's frames: its last
+        # the max over this step's last min(k, 3) frames: the first of them, the frames falling
+        assert obs.tolist() == [255 - (env.env.t - min(k, MAX_OVER_FRAMES) + 1), 0, 0]
         ks.append(k)
     assert set(ks) == {2, 3, 4}
 
@@ -483,6 +486,40 @@ def test_see_skipped_frames_plays_the_same_game_as_the_emulator_s_own_skip(env_i
                 break
         assert skips == ({2, 3, 4} if env_id == "Pong-v0" else {resolve_env_id(env_id).frameskip})
         assert observations_differ > 0
+    finally:
+        plain.close()
+        seen.close()
+
+
+@pytest.mark.parametrize("env_id", ["Pong-v0", "ALE/Pong-v5"])
+def test_see_skipped_frames_plays_the_emulator_s_next_games_after_one_ends_inside_a_step(monkeypatch, env_id):
+    """Learner stacks (episodic life, the unseeded resets after a game) whose games end inside an agent step: ALE's
+    frame cap set to 50, which a skip of 4 does not divide. ale-py sends the action for the step's remaining frames,
+    each a draw from ALE's sticky-action generator, which the reset does not reseed; with ``see_skipped`` the next
+    games must be the emulator's own, RAM for RAM and skip for skip."""
+    make_env = environment._gym_make
+    monkeypatch.setattr(environment, "_gym_make",
+                        lambda env_id, kwargs: make_env(env_id, dict(kwargs, max_num_frames_per_episode=50)))
+    plain = make(env_id, episodic_life=True)
+    seen = make(env_id, episodic_life=True, see_skipped=True)
+    try:
+        plain.reset(seed=6)
+        seen.reset(seed=6)
+        actions = np.random.default_rng(6).integers(0, plain.action_space.n, 600)
+        pa, sa = plain.unwrapped.ale, seen.unwrapped.ale
+        games = 0
+        for a in actions:
+            p, s = plain.step(int(a)), seen.step(int(a))
+            assert p[1:4] == s[1:4]
+            assert pa.getEpisodeFrameNumber() == sa.getEpisodeFrameNumber()
+            assert np.array_equal(pa.getRAM(), sa.getRAM()), f"game {games + 1}"
+            if p[2] or p[3]:
+                games += 1
+                assert pa.getEpisodeFrameNumber() == 50
+                plain.reset()
+                seen.reset()
+                assert np.array_equal(pa.getRAM(), sa.getRAM()), f"the reset after game {games}"
+        assert games >= 20
     finally:
         plain.close()
         seen.close()

@@ -859,6 +859,18 @@ def test_a_model_s_card_turns_see_skipped_frames_on_unless_told_otherwise(tmp_pa
             f"--see-skipped-frames is on" in r.stdout) is line
 
 
+def test_a_card_s_see_skipped_frames_goes_unsaid_for_a_noframeskip_id(tmp_path, model_dir):
+    """A ``NoFrameskip`` id shows the max over the skipped frames with or without the flag: no line claims that
+    the card turned something on."""
+    import hashlib
+    sha = hashlib.sha256((model_dir / "PongNoFrameskip-v4.dat").read_bytes()).hexdigest()
+    (model_dir / "PongNoFrameskip-v4.json").write_text(json.dumps(
+        {"model_file": "PongNoFrameskip-v4.dat", "sha256": sha, "see_skipped_frames": True}))
+    s, r = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--env", "PongNoFrameskip-v4")
+    assert s["model"].endswith("PongNoFrameskip-v4.dat") and s["protocol"]["max_over_frames"] == 3
+    assert "--see-skipped-frames is on" not in r.stdout
+
+
 @pytest.mark.parametrize("saved", [True, False])
 def test_a_checkpoint_s_configuration_turns_see_skipped_frames_on(tmp_path, model_dir, saved):
     """A ``.ckpt`` keeps the run's flags: ``--model-file run.ckpt`` plays as the run trained."""
