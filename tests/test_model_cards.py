@@ -71,18 +71,32 @@ def _training_problems(training: dict, repo: Path, name: str) -> list[str]:
 
     By default they are the last row of the last CSV: a piece resumed from a ``.ckpt`` goes on counting. With
     ``"csv_counting": "restarted"`` every CSV counted from zero (each piece started from a bare ``.dat``), so the
-    card's figures are the sums of every CSV's last row."""
-    not_there = [rel for rel in training["monitor_csvs"] if not _in_results(repo, rel)]
+    card's figures are the sums of every CSV's last row. A list, one ``"restarted"`` or ``"continued"`` per CSV,
+    mixes the two: the figures are the sums of the last rows of the CSVs that no ``"continued"`` one follows. A CSV
+    that goes on from the one before starts where it ended: its first row's steps and time are not below."""
+    csvs = training["monitor_csvs"]
+    not_there = [rel for rel in csvs if not _in_results(repo, rel)]
     if not_there:
         return [f"{name}: monitor_csvs {not_there} are not files in results/"]
     counting = training.get("csv_counting", "continued")
-    if counting not in ("continued", "restarted"):
-        return [f"{name}: csv_counting '{counting}' is neither 'continued' nor 'restarted'"]
-    csvs = training["monitor_csvs"] if counting == "restarted" else training["monitor_csvs"][-1:]
-    rows = [_last_row(repo / rel) for rel in csvs]
-    steps, seconds = sum(int(r["global_steps"]) for r in rows), sum(float(r["elapsed_s"]) for r in rows)
-    where = f"the last monitor row of {csvs[0]} says" if len(csvs) == 1 else f"the last rows of {csvs} sum to"
+    kinds = [counting] * len(csvs) if isinstance(counting, str) else counting
+    if not isinstance(kinds, list) or len(kinds) != len(csvs) or set(kinds) - {"continued", "restarted"}:
+        return [f"{name}: csv_counting {counting!r} is neither 'continued' nor 'restarted', nor a list of one of "
+                f"them per monitor CSV ({len(csvs)})"]
     found = []
+    for before, rel, kind in zip(csvs, csvs[1:], kinds[1:]):
+        with (repo / rel).open(newline="") as f:
+            first = next(csv.DictReader(f))
+        last = _last_row(repo / before)
+        if kind == "continued" and (int(first["global_steps"]) < int(last["global_steps"])
+                                    or float(first["elapsed_s"]) < float(last["elapsed_s"])):
+            found.append(f"{name}: {rel} does not go on from {before}: its first row is at {first['global_steps']} "
+                         f"steps, {first['elapsed_s']} s, that one's last at {last['global_steps']}, "
+                         f"{last['elapsed_s']} s")
+    counted = [rel for i, rel in enumerate(csvs) if i == len(csvs) - 1 or kinds[i + 1] != "continued"]
+    rows = [_last_row(repo / rel) for rel in counted]
+    steps, seconds = sum(int(r["global_steps"]) for r in rows), sum(float(r["elapsed_s"]) for r in rows)
+    where = f"the last monitor row of {counted[0]} says" if len(counted) == 1 else f"the last rows of {counted} sum to"
     if training["global_steps"] != steps:
         found.append(f"{name}: global_steps {training['global_steps']}, {where} {steps}")
     if training["wall_time_s"] != round(seconds):
@@ -384,6 +398,12 @@ BREAKAGES = {
     "the wall time": (lambda c: c["training"].update(wall_time_s=c["training"]["wall_time_s"] + 60), "wall_time_s"),
     "the sha256": (lambda c: c.update(sha256="0" * 64), "sha256 0000"),
     "an unknown CSV counting": (lambda c: c["training"].update(csv_counting="both"), "csv_counting 'both'"),
+    "a CSV counting per CSV of another length": (lambda c: c["training"].update(csv_counting=["restarted"]),
+                                                 "csv_counting ['restarted'] is neither"),
+    "a CSV counted once too often": (lambda c: c["training"].update(csv_counting=["restarted", "restarted"]),
+                                     "sum to"),
+    "a CSV that does not go on from the one before": (lambda c: c["training"]["monitor_csvs"].reverse(),
+                                                      "results/pong_cpu_monitor.csv does not go on from"),
     "a CSV counted twice": (lambda c: c["training"].update(csv_counting="restarted"), "sum to"),
     "a missing monitor CSV": (lambda c: c["training"]["monitor_csvs"].append("logs/x_monitor.csv"),
                               "are not files in results/"),
