@@ -520,9 +520,9 @@ def test_default_for_problems_are_reported(repo_copy):
             "model" in card_problems(models, repo_copy))
     (models / "PongNoFrameskip-v0.dat").unlink()
     other = json.loads((models / "PongNoFrameskip-v4.json").read_text())
-    (models / "Pong-v0.json").write_text(json.dumps(dict(other, model_file="Pong-v0.dat")))
-    (models / "Pong-v0.dat").symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
-    assert ("PongNoFrameskip-v4.json: default_for PongNoFrameskip-v0, which Pong-v0.json names too"
+    (models / "Pong-v4.json").write_text(json.dumps(dict(other, model_file="Pong-v4.dat")))
+    (models / "Pong-v4.dat").symlink_to(ROOT / "trained_models" / "PongNoFrameskip-v4.dat")
+    assert ("PongNoFrameskip-v4.json: default_for PongNoFrameskip-v0, which Pong-v4.json names too"
             in card_problems(models, repo_copy))  # cards are read in name order
 
 
@@ -635,7 +635,7 @@ def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_p
     assert default_model_file(models, "ALE/Pong-v5") == models / "Pong-v0.dat"
 
 
-@pytest.mark.parametrize("env_id,model", [("ALE/Pong-v5", "ALE_Pong-v5.dat"), ("Pong-v0", "ALE_Pong-v5.dat"),
+@pytest.mark.parametrize("env_id,model", [("ALE/Pong-v5", "ALE_Pong-v5.dat"), ("Pong-v0", "Pong-v0.dat"),
                                           ("PongNoFrameskip-v4", "PongNoFrameskip-v4.dat"),
                                           ("BreakoutNoFrameskip-v4", "BreakoutNoFrameskip-v4.dat"),
                                           ("BreakoutNoFrameskip-v0", "BreakoutNoFrameskip-v4.dat"),
