@@ -173,10 +173,11 @@ class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
             n += 1
             total += float(reward)
             if terminated or truncated:
-                for _ in range(skip - 1 - i if self.finish_skip else 0):
-                    _, reward, after_terminated, after_truncated, info = self.env.step(action)
-                    total += float(reward)
-                    terminated, truncated = terminated or after_terminated, truncated or after_truncated
+                if self.finish_skip:
+                    for _ in range(i + 1, skip):  # the step's remaining frames: no more game, the draws go on
+                        _, reward, after_terminated, after_truncated, info = self.env.step(action)
+                        total += float(reward)
+                        terminated, truncated = terminated or after_terminated, truncated or after_truncated
                 break
         frames = self._buf[: min(n, MAX_OVER_FRAMES)]
         return frames.max(axis=0), total, terminated, truncated, info
