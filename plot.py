@@ -11,15 +11,19 @@ included), or the monitor CSVs of one run trained in pieces joined with ``+``
 (``a_monitor.csv+b_monitor.csv``: one line, one time-to-score row). A piece resumed from the previous piece's
 checkpoint (``--load``) goes on counting its steps and time, and the join keeps them; with ``--restarted-pieces``
 every piece counted from 0 (each started from a bare ``.dat``, as ``--load --load-model-dir trained_models/``
-does), and the join adds to each the steps and time of the previous pieces' last games, as the model cards do.
+does), and the join adds to each the steps and time of the previous pieces' last games, as the model cards do;
+among them a piece whose first game comes after the previous piece's last (in steps and time) resumed that
+piece's checkpoint and goes on from it, with a warning that names it (a card's ``"continued"`` CSV).
 A curve is named after its run's folder. The image goes to ``--out`` (default ``runs/<env>_curves.png``); its
 format follows the extension: PNG, SVG or PDF.
 
 It also prints the time to each score: for every run, the global steps and the running time (the monitor's
 ``elapsed_s``, which goes on across resumes from where the checkpoint left it) at which the mean of the last ``--window`` games first reached each of
-``--levels`` (default -10 0 10 15 19 20, Pong's), then the median over the runs of each (a run that never reached a
-level counts as slower than every run that did; no median where that puts it among those runs).
-``--no-figure`` prints the table alone.
+``--levels`` (default -10 0 10 15 19 20, Pong's), then the median over the runs of each. A run that did not reach a
+level counts as slower than its last game (steps and time each), no more: where one that stopped early could still
+move the median, the median row gives the range it lies in (``949k-1,074k``), or its least value (``≥1,660k``)
+where the runs that did not reach the level could put it beyond every run that did. ``--no-figure`` prints the
+table alone.
 """
 from __future__ import annotations
 
@@ -158,24 +162,32 @@ def add_game(curve: dict, steps: int, score: float, hours: float, supersede: boo
     return dropped
 
 
-def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int]:
-    """The curves of one run's pieces, in order, as one curve, and how many games were left out.
+def join_pieces(pieces: list[dict], restarted: bool) -> tuple[dict, int, list[int]]:
+    """The curves of one run's pieces, in order, as one curve, how many games were left out, and which pieces (by
+    index) were taken as continuing the piece before them where ``restarted`` said otherwise.
 
     Continued pieces (``restarted`` false) are laid end to end as rows appended to one CSV are: where a piece's
     global steps go back (it resumed an earlier checkpoint than the previous piece's last game), the games at or
     after its first game's steps are left out, as ``read_curve`` does within a file. Restarted pieces each counted
     from 0: each is moved on by the steps and hours of the joined curve's last game before it, and nothing is left
-    out (a piece's first game may sit at 0 steps, and so on that last game).
+    out (a piece's first game may sit at 0 steps, and so on that last game). Among restarted pieces, one whose
+    first game comes after the previous piece's last game in both its own steps and hours resumed that piece's
+    checkpoint and goes on counting: it is moved on as that piece was (a model card's ``"continued"`` CSV).
     """
     out = {"steps": [], "score": [], "hours": []}
-    left_out = 0
-    for piece in pieces:
-        steps0 = out["steps"][-1] if restarted and out["steps"] else 0
-        hours0 = out["hours"][-1] if restarted and out["hours"] else 0.0
+    left_out, continued = 0, []
+    steps0, hours0 = 0, 0.0
+    for k, piece in enumerate(pieces):
+        goes_on = (restarted and k > 0 and piece["steps"][0] > pieces[k - 1]["steps"][-1]
+                   and piece["hours"][0] > pieces[k - 1]["hours"][-1])
+        if goes_on:
+            continued.append(k)
+        elif restarted and out["steps"]:
+            steps0, hours0 = out["steps"][-1], out["hours"][-1]
         for i, (steps, score, hours) in enumerate(zip(piece["steps"], piece["score"], piece["hours"])):
             left_out += add_game(out, steps + steps0, score, hours + hours0, supersede=not restarted,
                                  resumed=i == 0)
-    return out, left_out
+    return out, left_out, continued
 
 
 def read_run(pieces: tuple[Path, ...], warnings: list[str], restarted: bool = False) -> dict:
@@ -183,15 +195,21 @@ def read_run(pieces: tuple[Path, ...], warnings: list[str], restarted: bool = Fa
     nothing, with a warning)."""
     if len(pieces) == 1:
         return read_curve(pieces[0], warnings)
-    curves = []
+    curves, read = [], []
     for path in pieces:
         try:
             curves.append(read_curve(path, warnings))
+            read.append(path)
         except NoGamesYet as e:
             warnings.append(f"{e}; it adds nothing to its run")
     if not curves:
         raise NoGamesYet(f"{'+'.join(map(str, pieces))}: no piece has a game yet")
-    curve, left_out = join_pieces(curves, restarted)
+    curve, left_out, continued = join_pieces(curves, restarted)
+    if continued:
+        warnings.append(f"{'+'.join(map(str, pieces))}: " + ", ".join(
+            f"{read[k]} goes on from {read[k - 1]} (its first game comes after that piece's last, in steps and "
+            f"time: it resumed its checkpoint)" for k in continued) + "; joined as continuing it, the others as "
+            "restarted")
     if left_out:
         first = curves[0]["steps"][0]
         hint = ("" if restarted or not any(c["steps"][0] <= first for c in curves[1:]) else
@@ -235,34 +253,45 @@ DEFAULT_LEVELS = (-10.0, 0.0, 10.0, 15.0, 19.0, 20.0)
 
 def first_reached(score: list[float], steps: list[int], seconds: list[float], levels, window: int) -> dict:
     """``{level: (global steps, seconds) or None}``: the first game after which the mean of the last ``window``
-    games (a full window) is at least ``level``."""
+    games (a full window) is at least ``level``. Each window is summed exactly (``math.fsum``), so ten games of 0.1
+    reach 0.1."""
     out = {level: None for level in levels}
-    total = 0.0
-    for i, v in enumerate(score):
-        total += v
-        if i >= window:
-            total -= score[i - window]
-        if i + 1 < window:
-            continue
-        mean = total / window
+    for i in range(window - 1, len(score)):
+        mean = math.fsum(score[i + 1 - window: i + 1]) / window
         for level in levels:
             if out[level] is None and mean >= level:
                 out[level] = (steps[i], seconds[i])
     return out
 
 
-def median_reached(reached: list[tuple[int, float] | None]) -> tuple[float, float] | None:
-    """The median over runs of ``(steps, seconds)``, each taken separately, a run that never reached the level
-    counting as the slowest; None when that puts the median among the runs that never reached it."""
-    n = len(reached)
-    steps = sorted(r[0] for r in reached if r is not None)
-    secs = sorted(r[1] for r in reached if r is not None)
-    mid = n // 2
-    if not n or mid >= len(steps):
+def median_of(values: list[float]) -> float:
+    """The median of a non-empty list (the mean of the middle two for an even count); inf where the middle is inf."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def median_reached(reached: list[tuple[int, float] | None],
+                   last_games: list[tuple[int, float]] | None = None) -> tuple[tuple[float, float], ...] | None:
+    """The median over runs of ``(steps, seconds)``, each taken separately, as ``((steps_lo, steps_hi), (secs_lo,
+    secs_hi))``: a range, because a run that did not reach the level (None) is only known to be slower than its
+    last game (``last_games[i]``; without ``last_games``, slower than every run that did). The median lies between
+    the median of the runs' lower ends (a run that did not reach the level at its last game) and of their upper ends
+    (such a run at infinity); ``lo == hi`` where the runs that did not reach it cannot move it, ``hi`` is inf where
+    they could put it beyond every run that did. None where it is unknown from below too (no run reached the level
+    in the middle even at its lower end), or for no runs."""
+    if not reached:
         return None
-    if n % 2:
-        return steps[mid], secs[mid]
-    return (steps[mid - 1] + steps[mid]) / 2, (secs[mid - 1] + secs[mid]) / 2
+    out = []
+    for k in (0, 1):
+        lows = [r[k] if r is not None else (last_games[i][k] if last_games else math.inf)
+                for i, r in enumerate(reached)]
+        highs = [r[k] if r is not None else math.inf for r in reached]
+        lo, hi = median_of(lows), median_of(highs)
+        if math.isinf(lo):
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
 
 def format_reached(r) -> str:
@@ -272,19 +301,34 @@ def format_reached(r) -> str:
     return f"{steps / 1e3:,.0f}k / {secs / 60:.0f} min"
 
 
+def format_median(m) -> str:
+    """A ``median_reached`` cell: ``949k / 27 min``, ``949k-1,074k / 78-86 min``, or ``≥1,660k / ≥45 min``."""
+    if m is None:
+        return "-"
+    def one(lo, hi, text):
+        if math.isinf(hi):
+            return "≥" + text(lo)
+        return text(lo) if text(lo) == text(hi) else f"{text(lo)}-{text(hi)}"
+    (s_lo, s_hi), (t_lo, t_hi) = m
+    return f"{one(s_lo, s_hi, lambda v: f'{v / 1e3:,.0f}k')} / {one(t_lo, t_hi, lambda v: f'{v / 60:.0f}')} min"
+
+
 def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: int) -> str:
     """The table ``plot.py`` prints: one row per run and the median row (see the module docstring)."""
     rows = [(name, first_reached(c["score"], c["steps"], [h * 3600 for h in c["hours"]], levels, window))
             for name, c in named_curves]
+    last_games = [(c["steps"][-1], c["hours"][-1] * 3600) for _, c in named_curves]
     width = max([len(f"median of {len(rows)}") + 2] + [len(name) for name, _ in rows])
-    head = f"{'run':{width}s}" + "".join(f"{f'mean >= {level:g}':>22s}" for level in levels)
+    med = {level: median_reached([r[level] for _, r in rows], last_games) for level in levels}
+    cell = max([22] + [len(format_median(m)) + 2 for m in med.values()]) if len(rows) > 1 else 22
+    head = f"{'run':{width}s}" + "".join(f"{f'mean >= {level:g}':>{cell}s}" for level in levels)
     lines = [f"global steps / running time at which the mean of the last {window} games first reached each level "
-             f"(the median row: the median of each, taken separately):", head]
+             f"(the median row: the median of each, taken separately; a run that did not reach a level counts as "
+             f"slower than its last game, so the median can be a range):", head]
     for name, r in rows:
-        lines.append(f"{name:{width}s}" + "".join(f"{format_reached(r[level]):>22s}" for level in levels))
+        lines.append(f"{name:{width}s}" + "".join(f"{format_reached(r[level]):>{cell}s}" for level in levels))
     if len(rows) > 1:
-        med = {level: median_reached([r[level] for _, r in rows]) for level in levels}
-        lines.append(f"{f'median of {len(rows)}':{width}s}" + "".join(f"{format_reached(med[level]):>22s}"
+        lines.append(f"{f'median of {len(rows)}':{width}s}" + "".join(f"{format_median(med[level]):>{cell}s}"
                                                                      for level in levels))
     return "\n".join(lines)
 
@@ -329,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="scores for the time-to-score table (default: -10 0 10 15 19 20)")
     p.add_argument("--restarted-pieces", action="store_true",
                    help="the pieces joined with + each counted their steps and time from 0 (each started from a "
-                        "bare .dat): add each piece to the end of those before it (default: pieces that resumed "
-                        "the previous piece's checkpoint and go on counting)")
+                        "bare .dat): add each piece to the end of those before it; one whose first game comes after "
+                        "the last game of the piece before it, in steps and time, resumed that piece's checkpoint and "
+                        "goes on from it (default: pieces that resumed the previous piece's checkpoint and go on "
+                        "counting)")
     p.add_argument("--no-figure", dest="figure", action="store_false",
                    help="print the time-to-score table only; draw nothing")
     args = p.parse_args(argv)
@@ -352,6 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.restarted_pieces and not any(len(path) > 1 for path in paths):
         errors.append("--restarted-pieces is about pieces joined with + (a_monitor.csv+b_monitor.csv); no input "
                       "joins any")
+    seen = set()
+    for path in paths:
+        key = tuple(part.resolve() for part in path)
+        if key in seen:
+            warnings.append(f"{'+'.join(map(str, path))} is given more than once: each counts as a run of its own "
+                            f"in the median")
+        seen.add(key)
     for path in paths:
         try:
             curve = read_run(path, warnings, args.restarted_pieces)

@@ -1,5 +1,6 @@
 """gym_eval.py and plot.py as subprocesses, on model files written here in the upstream format."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -643,12 +644,28 @@ def test_time_to_score_levels_by_hand():
     got = first_reached(score, steps, secs, [-21, -10, 10, 20, 21.5], window=2)
     assert got == {-21: (20, 2.0), -10: (40, 4.0), 10: (40, 4.0), 20: (50, 5.0), 21.5: None}
     assert first_reached([5.0], [1], [1.0], [0], window=2) == {0: None}  # no full window yet
-    assert median_reached([(300, 30.0), (100, 10.0), (200, 20.0)]) == (200, 20.0)
-    assert median_reached([(300, 30.0), None, (100, 10.0)]) == (300, 30.0)  # the missed run is the slowest
+    tenths = first_reached([0.1] * 10, list(range(1, 11)), [float(t) for t in range(1, 11)], [0.1], window=10)
+    assert tenths == {0.1: (10, 10.0)}  # summed exactly: a running float sum ends at 0.9999999999999999
+
+    def exact(steps, secs):
+        return (steps, steps), (secs, secs)
+    assert median_reached([(300, 30.0), (100, 10.0), (200, 20.0)]) == exact(200, 20.0)
+    assert median_reached([(300, 30.0), None, (100, 10.0)]) == exact(300, 30.0)  # no last games: the slowest
     assert median_reached([(300, 30.0), None, None]) is None  # fewer than half reached it
-    assert median_reached([(100, 10.0), (300, 30.0)]) == (200, 20.0)
+    assert median_reached([(100, 10.0), (300, 30.0)]) == exact(200, 20.0)
     assert median_reached([(100, 10.0), (300, 30.0), None, None]) is None  # between a reached and a missed run
-    assert median_reached([(100, 40.0), (300, 20.0), (200, 30.0)]) == (200, 30.0)  # each taken separately
+    assert median_reached([(100, 40.0), (300, 20.0), (200, 30.0)]) == exact(200, 30.0)  # each taken separately
+    assert median_reached([]) is None
+    # with each run's last game: a run that went on past the median without reaching the level cannot move it...
+    assert median_reached([(300, 30.0), None, (100, 10.0)], [(300, 30.0), (400, 40.0), (100, 10.0)]) == \
+        exact(300, 30.0)
+    # ... one that stopped before it could: its steps put the median between 250 and 300; its time (45 s) cannot
+    assert median_reached([(300, 30.0), None, (100, 10.0)], [(300, 30.0), (250, 45.0), (100, 10.0)]) == \
+        ((250, 300), (30.0, 30.0))
+    # two of three stopped early: at least the middle of (their last games, the one that reached it)
+    assert median_reached([(300, 30.0), None, None], [(300, 30.0), (100, 10.0), (200, 20.0)]) == \
+        ((200, math.inf), (20.0, math.inf))
+    assert median_reached([None, None], [(100, 10.0), (200, 20.0)]) == ((150, math.inf), (15.0, math.inf))
 
 
 def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_path):
@@ -665,8 +682,34 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert lines["a"].split()[1:] == ["3k", "/", "3", "min", "-"]
     assert lines["b"].split()[1:] == ["4k", "/", "4", "min", "4k", "/", "4", "min"]
     assert lines["c"].split()[1:] == ["-", "-"]
-    assert lines["median"].split()[3:] == ["4k", "/", "4", "min", "-"]  # 0: a, b reached; 20: only b
+    # 0: a and b reached it, c (its last game at 4k) cannot move the median; 20: only b, the others stopped at 4k
+    assert lines["median"].split()[3:] == ["4k", "/", "4", "min", "≥4k", "/", "≥4", "min"]
     assert not list(tmp_path.rglob("*.png"))
+
+
+def test_plot_median_counts_a_run_that_stopped_early_as_slower_than_its_last_game_only(tmp_path):
+    """Three seeds, one stopped before the level: the median is a range (docs/results.md's --train-batch 2 seeds:
+    949k, 1,074k and a seed stopped at 904k give 949k-1,074k). A run that went on past the median without reaching
+    the level leaves it exact, and two runs that stopped early leave only its least value."""
+    def write(name, scores):
+        (tmp_path / f"{name}_monitor.csv").write_text(HEADER + "\n" + "".join(
+            f"0,{60 * (i + 1)},{1000 * (i + 1)},{s},100,1,0,\n" for i, s in enumerate(scores)))
+        return str(tmp_path / f"{name}_monitor.csv")
+    fast = write("fast", [0, 0, 20, 20])  # window 2: 20 at 4k steps, 4 min
+    slow = write("slow", [0] * 8 + [20, 20])  # 20 at 10k, 10 min
+    cut = write("cut", [0, 0, 0])  # stopped at 3k, 3 min
+    long = write("long", [0] * 15)  # went on to 15k without it
+
+    def median(*runs):
+        r = run_entry("plot.py", *runs, "--window", "2", "--levels", "20", "--no-figure", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()[-1].split(maxsplit=3)[3].strip()
+    assert median(fast, slow, cut) == "4k-10k / 4-10 min"
+    assert median(fast, slow, long) == "10k / 10 min"
+    assert median(fast, cut, write("cut2", [0, 0])) == "≥3k / ≥3 min"
+    r = run_entry("plot.py", fast, fast, "--window", "2", "--levels", "20", "--no-figure", cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == f"plot.py: warning: {fast} is given more than once: each counts as a " \
+                                             f"run of its own in the median\n", r.stderr
 
 
 def test_curve_styles_are_distinct_for_any_number_of_runs():
@@ -730,16 +773,22 @@ def test_join_pieces_by_hand():
     a = {"steps": [10, 20, 30], "score": [1.0, 2.0, 3.0], "hours": [0.1, 0.2, 0.3]}
     b = {"steps": [25, 40], "score": [4.0, 5.0], "hours": [0.25, 0.4]}  # resumed a checkpoint taken at 20-25
     assert join_pieces([a, b], restarted=False) == (
-        {"steps": [10, 20, 25, 40], "score": [1.0, 2.0, 4.0, 5.0], "hours": [0.1, 0.2, 0.25, 0.4]}, 1)
+        {"steps": [10, 20, 25, 40], "score": [1.0, 2.0, 4.0, 5.0], "hours": [0.1, 0.2, 0.25, 0.4]}, 1, [])
     c = {"steps": [5, 15], "score": [6.0, 7.0], "hours": [0.05, 0.15]}  # counted from 0 again
-    joined, left_out = join_pieces([a, c, c], restarted=True)
-    assert left_out == 0 and joined["steps"] == [10, 20, 30, 35, 45, 50, 60]
+    joined, left_out, continued = join_pieces([a, c, c], restarted=True)
+    assert left_out == 0 and continued == [] and joined["steps"] == [10, 20, 30, 35, 45, 50, 60]
     assert joined["score"] == [1.0, 2.0, 3.0, 6.0, 7.0, 6.0, 7.0]
     assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.35, 0.45, 0.5, 0.6])
     z = {"steps": [0, 15], "score": [8.0, 9.0], "hours": [0.0, 0.15]}  # a first game logged at 0 steps
-    joined, left_out = join_pieces([a, z], restarted=True)  # a's last game stays
+    joined, left_out, continued = join_pieces([a, z], restarted=True)  # a's last game stays
     assert left_out == 0 and joined["steps"] == [10, 20, 30, 30, 45] and joined["score"] == [1.0, 2.0, 3.0, 8.0, 9.0]
     assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.45])
+    d = {"steps": [25, 35], "score": [8.0, 9.0], "hours": [0.25, 0.35]}  # resumed c's checkpoint: goes on counting
+    joined, left_out, continued = join_pieces([a, c, d], restarted=True)
+    assert left_out == 0 and continued == [2] and joined["steps"] == [10, 20, 30, 35, 45, 55, 65]
+    assert joined["hours"] == pytest.approx([0.1, 0.2, 0.3, 0.35, 0.45, 0.55, 0.65])
+    late = {"steps": [25, 35], "score": [8.0, 9.0], "hours": [0.1, 0.35]}  # more steps, but its clock started again
+    assert join_pieces([a, c, late], restarted=True)[2] == []
 
 
 def test_plot_joins_the_pieces_of_one_run(tmp_path):
@@ -761,6 +810,13 @@ def test_plot_joins_the_pieces_of_one_run(tmp_path):
     assert table(f"{a}+{b}") == (["a", "(2", "pieces)", "3k", "/", "3", "min", "5k", "/", "5", "min"], "")
     row, err = table(f"{a}+{c}", "--restarted-pieces")  # c's games land at 4k and 5k steps, 4 and 5 min
     assert row[3:] == ["3k", "/", "3", "min", "5k", "/", "5", "min"] and err == ""
+    write("d_monitor.csv", [(3, 20), (4, 20)])  # resumed c's checkpoint: goes on from c's last game
+    d = str(tmp_path / "d_monitor.csv")
+    row, err = table(f"{a}+{c}+{d}", "--restarted-pieces")  # c at 4k and 5k, d at 6k and 7k
+    assert row[3:] == ["3k", "/", "3", "min", "5k", "/", "5", "min"]
+    assert err == (f"plot.py: warning: {a}+{c}+{d}: {d} goes on from {c} (its first game comes after that piece's "
+                   f"last, in steps and time: it resumed its checkpoint); joined as continuing it, the others as "
+                   f"restarted\n")
     row, err = table(f"{a}+{c}")  # without the flag c's first game goes back before a's: a's games left out
     assert row[3:] == ["2k", "/", "2", "min"] * 2  # c alone: its 2-game mean is 15 at 2k steps
     assert "3 game(s) left out where a piece's global steps go back" in err and "--restarted-pieces" in err
