@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import json
 import math
 import os
 import pickle
@@ -184,6 +186,45 @@ def read_weights(path: str | Path) -> dict:
     if not isinstance(obj, dict):
         raise ModelFileError(f"model file {path} holds a {type(obj).__name__}, not a state_dict")
     return obj
+
+
+def file_sha256(path: str | Path) -> str | None:
+    """The sha256 of the file at ``path`` (None where it cannot be read: ``read_weights`` says why)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def read_card(model: str | Path) -> tuple[dict | None, str | None]:
+    """The model card beside ``model`` (``<stem>.json``, as trained_models/ ships one per model): ``(card, None)``
+    where it is a JSON object, ``(None, None)`` where there is no such file, and ``(None, why)`` where there is one
+    that cannot be read or is not a JSON object. Whether the card describes this file (its ``model_file`` and
+    ``sha256``) is the caller's to check."""
+    path = Path(model).with_suffix(".json")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot be read ({getattr(e, 'strerror', None) or e})"
+    try:
+        card = json.loads(text)
+    except ValueError as e:
+        return None, f"is not JSON ({e})"
+    if not isinstance(card, dict):
+        return None, "is not a JSON object"
+    return card, None
+
+
+def card_of_this_file(model: str | Path, sha256: str | None) -> dict | None:
+    """The card beside ``model`` where it describes this very file (its ``model_file`` names it and its ``sha256``
+    is ``sha256``), else None."""
+    card, _ = read_card(model)
+    if card is None or sha256 is None or card.get("model_file") != Path(model).name or card.get("sha256") != sha256:
+        return None
+    return card
 
 
 def is_checkpoint(obj: dict) -> bool:

@@ -36,7 +36,6 @@ if __name__ == "__main__":  # a Ctrl-C during the imports: one line, exit 130 (m
 
 import argparse
 import csv
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -49,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import ModelFileError, check_state_dict, is_checkpoint, model_path, read_weights, state_dict_of
+from checkpoint import (ModelFileError, card_of_this_file, check_state_dict, file_sha256, is_checkpoint, model_path,
+                        read_card, read_weights, state_dict_of)
 from cli import Parser
 from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol, resolve_env_id
@@ -99,35 +99,56 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_for_cards(load_model_dir: str | Path, env_id: str) -> list[Path]:
+    """The cards in ``load_model_dir`` (``*.json`` objects, in name order) that list ``env_id`` under
+    ``default_for`` and name their own ``<stem>.dat`` as ``model_file``, whether or not that file is there."""
+    found = []
+    for card_path in sorted(Path(load_model_dir).glob("*.json")):
+        card, _ = read_card(card_path)
+        if (card is not None and isinstance(card.get("default_for"), list) and env_id in card["default_for"]
+                and card.get("model_file") == card_path.with_suffix(".dat").name):
+            found.append(card_path)
+    return found
+
+
 def default_model_file(load_model_dir: str | Path, env_id: str) -> Path:
     """``<load_model_dir>/<env>.dat`` where it exists; else the model whose card (``<stem>.json`` beside it) lists
     ``env_id`` under ``default_for`` (one model trained on ``Pong-v0`` also serves ``ALE/Pong-v5``); else the
-    ``<env>.dat`` path, which does not exist."""
+    ``<env>.dat`` path, which does not exist. Two cards whose models are there and list ``env_id`` raise
+    ``ModelFileError``: which one to play is the user's to say."""
     exact = model_path(load_model_dir, env_id)
     if exact.is_file():
         return exact
-    for card_path in sorted(Path(load_model_dir).glob("*.json")):
-        try:
-            card = json.loads(card_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(card, dict) or not isinstance(card.get("default_for"), list):
-            continue
-        model = card_path.with_suffix(".dat")
-        if env_id in card["default_for"] and card.get("model_file") == model.name and model.is_file():
-            return model
-    return exact
+    models = [c.with_suffix(".dat") for c in default_for_cards(load_model_dir, env_id)
+              if c.with_suffix(".dat").is_file()]
+    if len(models) > 1:
+        raise ModelFileError(f"{' and '.join(str(m.with_suffix('.json')) for m in models)} all list {env_id} under "
+                             f"default_for: pass --model-file with the one to play")
+    return models[0] if models else exact
+
+
+def model_candidates(args: argparse.Namespace) -> list[Path]:
+    """Where ``--model-file`` is looked for, in order: as given, in ``--load-model-dir``, and there with ``.dat``."""
+    given = Path(args.model_file)
+    return [given, Path(args.load_model_dir) / given, Path(args.load_model_dir) / f"{safe_name(str(given))}.dat"]
 
 
 def resolve_model_file(args: argparse.Namespace) -> Path:
     if args.model_file is None:
         return default_model_file(args.load_model_dir, args.env)
-    given = Path(args.model_file)
-    candidates = [given, Path(args.load_model_dir) / given, Path(args.load_model_dir) / f"{safe_name(str(given))}.dat"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    return given
+    return next((c for c in model_candidates(args) if c.is_file()), Path(args.model_file))
+
+
+def missing_model_hint(args: argparse.Namespace) -> str:
+    """What a "does not exist" error adds: where ``--model-file`` was looked for, or the cards that list ``--env``
+    under ``default_for`` but whose model file is not there, and how to go on."""
+    if args.model_file is not None:
+        tried = list(dict.fromkeys(str(c) for c in model_candidates(args)))
+        return f" (looked for {', '.join(tried)}; pass a path or a name in --load-model-dir)"
+    gone = default_for_cards(args.load_model_dir, args.env)
+    named = (f"; {', '.join(str(c) for c in gone)} list{'s' if len(gone) == 1 else ''} {args.env} under default_for "
+             f"but {'its' if len(gone) == 1 else 'their'} model file is not there") if gone else ""
+    return f" (train one with main.py, or pass --model-file / --load-model-dir{named})"
 
 
 def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str | None:
@@ -138,15 +159,8 @@ def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str |
         config = obj.get("config")
         return "the checkpoint's configuration" if isinstance(config, dict) and \
             config.get("see_skipped_frames") is True else None
-    path = model.with_suffix(".json")
-    try:
-        card = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if (isinstance(card, dict) and card.get("model_file") == model.name and sha256 is not None
-            and card.get("sha256") == sha256 and card.get("see_skipped_frames") is True):
-        return str(path)
-    return None
+    card = card_of_this_file(model, sha256)
+    return str(model.with_suffix(".json")) if card is not None and card.get("see_skipped_frames") is True else None
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -238,6 +252,12 @@ def frameskip_words(skip) -> str:
     if isinstance(skip, (tuple, list)):
         return f"{skip[0]}-{skip[1] - 1} (random)"
     return str(skip)
+
+
+def shown_words(max_over_frames: int) -> str:
+    """What each observation shows, in words: ``max over the step's last 3 frames``, or ``the emulator's last
+    frame`` (an id whose emulator skips frames, played without ``--see-skipped-frames``)."""
+    return f"max over the step's last {max_over_frames} frames" if max_over_frames > 1 else "the emulator's last frame"
 
 
 def real_time_fps(args: argparse.Namespace) -> float:
@@ -407,44 +427,47 @@ def points_line(lost: dict, n: int) -> str:
     return line
 
 
-def file_sha256(path: Path) -> str | None:
-    """The sha256 of the file at ``path`` (None where it cannot be read: ``read_weights`` says why)."""
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError:
-        return None
-
-
-def card_claim(model: Path, env_id: str, sha256: str | None) -> dict | None:
+def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None = None,
+               compute_precision: str | None = None) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
 
     A card is ``<stem>.json`` next to the model file whose ``model_file`` names it (trained_models/ ships one per
-    model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file"}``: ``evaluation`` is the
-    card's entry for ``env_id`` (None where it has none) and ``same_file`` is False where the card's sha256 is not
-    the played file's ``sha256`` (a model replaced after its card was written, whose figures do not apply). A card
-    whose ``evaluations`` is not a list of objects raises TypeError."""
+    model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file", "see_skipped_frames"}``:
+    ``evaluation`` is the card's entry for ``env_id`` (None where it has none): the first whose protocol is
+    ``proto`` and whose precision is ``compute_precision`` where one is, else the first on ``env_id``;
+    ``same_file`` is False where the card's sha256 is not the played file's ``sha256`` (a model replaced after its
+    card was written, whose figures do not apply). A ``<stem>.json`` that is not a JSON object gives
+    ``{"path", "problem"}``. A card whose ``evaluations`` is not a list of objects raises TypeError."""
     path = model.with_suffix(".json")
-    try:
-        card = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(card, dict) or card.get("model_file") != model.name:
+    card, problem = read_card(model)
+    if problem is not None:
+        return {"path": str(path), "problem": problem}
+    if card is None or card.get("model_file") != model.name:
         return None
     same_file = sha256 is not None and sha256 == card.get("sha256")
     evaluations = card.get("evaluations", [])
     if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
         raise TypeError("its 'evaluations' is not a list of objects")
-    evaluation = next((e for e in evaluations if e.get("env") == env_id), None)
-    return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file}
+    on_env = [e for e in evaluations if e.get("env") == env_id]
+    stored = json.loads(json.dumps(proto)) if proto is not None else None  # a range is a list in a card
+    matching = [e for e in on_env if stored is not None and e.get("protocol") == stored
+                and e.get("precision") == compute_precision]
+    evaluation = (matching or on_env or [None])[0]
+    return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file,
+            "see_skipped_frames": card.get("see_skipped_frames") is True}
 
 
 def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_precision: str) -> str:
     """One line: the card's evaluation on ``env_id`` beside this run's ``n`` games (``s``: ``summarize``'s dict),
     naming the protocol settings in which this run differs from the card's."""
+    if "problem" in claim:
+        return (f"card: {claim['path']} {claim['problem']}: not compared, and its see_skipped_frames not read (pass "
+                f"--see-skipped-frames if the model was trained with it)")
     e = claim["evaluation"]
     if not claim["same_file"]:
-        return f"card: {claim['path']} describes another file (its sha256 differs): not compared"
+        unused = (": its see_skipped_frames not applied (pass --see-skipped-frames if this file was trained with it)"
+                  if claim.get("see_skipped_frames") and proto.get("max_over_frames") == 1 else "")
+        return f"card: {claim['path']} describes another file (its sha256 differs): not compared{unused}"
     if e is None:
         return f"card: no evaluation on {env_id} (trained on {claim['trained_on']})"
     line = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
@@ -461,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     errors = validate(args)
     state_dict, model_sha256, obj = None, None, None
-    path = resolve_model_file(args)
+    try:
+        path = resolve_model_file(args)
+    except ModelFileError as e:
+        errors.append(str(e))
     if not errors and not args.random_actions:
         try:
             n_actions = num_actions(args.env)
@@ -476,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModelFileError as e:
             msg = str(e)
             if "does not exist" in msg:
-                msg += " (train one with main.py, or pass --model-file / --load-model-dir)"
+                msg += missing_model_hint(args)
             errors.append(msg)
     if errors:
         for e in errors:
@@ -503,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in sorted(vars(args).items()):
         log.info(f"{k}: {v}")
     log.info("policy: uniform random actions" if args.random_actions else f"model: {path}")
+    if not args.random_actions:
+        via = (f" ({path.with_suffix('.json')} lists {args.env} under default_for)"
+               if args.model_file is None and path != model_path(args.load_model_dir, args.env) else "")
+        print(f"{PROG}: model {path}{via}", flush=True)
 
     n = args.num_episodes
     start = time.time()
@@ -601,7 +631,7 @@ def summarise_and_write(args: argparse.Namespace, path: Path, model_sha256: str 
     who = " (uniform random actions)" if args.random_actions else ""
     summary = (f"{args.env}{who}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, "
                f"max {s['max']:g}, median {s['median']:g} ({wall:.0f} s; protocol: frameskip "
-               f"{frameskip_words(proto['frameskip'])}, sticky actions "
+               f"{frameskip_words(proto['frameskip'])}, {shown_words(proto['max_over_frames'])}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
                f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps"
                f"{'' if args.compute_precision == 'fp32' or who else ', model in ' + args.compute_precision})")
@@ -616,7 +646,7 @@ def summarise_and_write(args: argparse.Namespace, path: Path, model_sha256: str 
     claim = None
     if not args.random_actions:
         try:  # a hand-edited card must not cost the results
-            claim = card_claim(path, args.env, model_sha256)
+            claim = card_claim(path, args.env, model_sha256, proto, args.compute_precision)
             if claim is not None:
                 claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
         except (KeyError, TypeError, ValueError, AttributeError) as e:

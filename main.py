@@ -43,9 +43,9 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from a3g.run import A3gRun, shutdown  # noqa: E402
-from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, check_checkpoint,  # noqa: E402
-                        check_state_dict, checkpoint_path, is_checkpoint, model_path, read_weights,
-                        remove_stale_temp_files, state_dict_of)
+from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
+                        check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
+                        read_weights, remove_stale_temp_files, state_dict_of)
 from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
                     short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
@@ -222,14 +222,16 @@ def train_envs_change_line(saved_config: dict, args: Namespace) -> str:
             f"frame statistics carry over by env slot or worker)")
 
 
-def see_skipped_change_line(saved_config: dict, args: Namespace) -> str:
-    """The line that says a resumed checkpoint saw other observations than this run's learners will
-    (``--see-skipped-frames`` given to one and not the other); "" when they are the same."""
+def see_skipped_change_line(saved_config: dict, args: Namespace, source: str = "the checkpoint") -> str:
+    """The line that says a resumed checkpoint (or the model whose card is ``source``) saw other observations than
+    this run's learners will (``--see-skipped-frames`` given to one and not the other); "" when they are the
+    same."""
     was, now = bool(saved_config.get("see_skipped_frames", False)), bool(args.see_skipped_frames)
     if was == now or not plays_emulator_skips(args):
         return ""
     words = {False: "the emulator's last frame of each step", True: "the max over each step's last frames (up to 3)"}
-    return (f"the checkpoint was trained on {words[was]}; this run's games show {words[now]} (--see-skipped-frames, "
+    trained = "the checkpoint was" if source == "the checkpoint" else f"{source} says the model was"
+    return (f"{trained} trained on {words[was]}; this run's games show {words[now]} (--see-skipped-frames, "
             f"for ids whose emulator skips frames)")
 
 
@@ -437,6 +439,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     if resume_path is not None:
         log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
 
+    if resume_path is not None and resume_ckpt is None:  # a bare .dat: its card, where it describes this file
+        card = card_of_this_file(resume_path, file_sha256(resume_path))
+        line = see_skipped_change_line({"see_skipped_frames": card.get("see_skipped_frames") is True}, args,
+                                       str(resume_path.with_suffix(".json"))) if card is not None else ""
+        if line:
+            log.info(line)
     if resume_ckpt is not None:
         saved_config = resume_ckpt.get("config") or {}
         changed = [f"--{k.replace('_', '-')} {saved_config.get(k, 0):,} -> {getattr(args, k):,}"

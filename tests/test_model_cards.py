@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint import model_path
-from conftest import ROOT
+from conftest import ROOT, run_entry
 
 MODEL_SUFFIX = ".dat"  # what trained_models/ ships (upstream's format); .ckpt and temporary files are gitignored
 CARD_FIELDS = ("model_file", "sha256", "bytes", "format", "env", "training", "machine", "evaluations", "limitations")
@@ -615,7 +615,78 @@ def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(sh
     summary_at = next(i for i, x in enumerate(lines) if x.startswith(f"{card['env']}: 1 games, mean"))
     assert lines[summary_at + 1] == expected, r.stdout[-2000:]
     assert summary["card"] == {"path": str(shipped.with_suffix(".json")), "trained_on": card["env"], "evaluation": e,
-                               "same_file": True, "line": expected}
+                               "same_file": True, "see_skipped_frames": False, "line": expected}
+    assert f"gym_eval.py: model {shipped}" in lines  # which file played, on the screen
+    assert "protocol: frameskip 4, max over the step's last 3 frames, sticky actions 0," in lines[summary_at]
+
+
+def test_two_cards_that_list_one_env_are_refused_and_a_missing_model_says_where_it_was_looked_for(tmp_path):
+    """Which model plays is never decided by file names: two cards listing the env under default_for are one
+    line and exit 2; a model that is not there names the places looked at, and a card whose file is missing."""
+    from checkpoint import ModelFileError
+    from gym_eval import default_model_file
+    models = tmp_path / "models"
+    models.mkdir()
+    for stem in ("A", "B"):
+        (models / f"{stem}.dat").write_bytes(b"model")
+        (models / f"{stem}.json").write_text(json.dumps({"model_file": f"{stem}.dat", "default_for": ["Pong-v0"]}))
+    with pytest.raises(ModelFileError, match="A.json and .*B.json all list Pong-v0 under default_for: pass "
+                                             "--model-file with the one to play"):
+        default_model_file(models, "Pong-v0")
+    r = run_entry("gym_eval.py", "--env", "Pong-v0", "--load-model-dir", str(models), "--log-dir", str(tmp_path / "l"),
+                  cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "all list Pong-v0 under default_for" in r.stderr
+    (models / "A.dat").unlink()
+    (models / "B.dat").unlink()
+    r = run_entry("gym_eval.py", "--env", "Pong-v0", "--load-model-dir", str(models), "--log-dir", str(tmp_path / "l"),
+                  cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.rstrip().endswith(f"; {models / 'A.json'}, {models / 'B.json'} list Pong-v0 under default_for "
+                                      f"but their model file is not there)"), r.stderr
+    r = run_entry("gym_eval.py", "--env", "Pong-v0", "--model-file", "Pong-v9", "--load-model-dir", str(models),
+                  "--log-dir", str(tmp_path / "l"), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"(looked for Pong-v9, {models / 'Pong-v9'}, {models / 'Pong-v9.dat'}; pass a path or a name" in r.stderr
+
+
+def test_a_card_that_is_not_json_another_files_card_and_the_evaluation_that_matches(tmp_path):
+    """A ``<stem>.json`` that is not a JSON object is named, not skipped; a card of another file says that its
+    see_skipped_frames is not applied where the games show the emulator's last frame; of two evaluations on one
+    env, the one whose protocol and precision are the run's is quoted."""
+    from environment import protocol
+    from gym_eval import card_claim, card_line
+    model = tmp_path / "Pong-v0.dat"
+    model.write_bytes(b"model")
+    run = {"mean": 10.0, "std": 1.0}
+    plain = protocol("Pong-v0", max_episode_length=10000, skip_rate=4, episodic_life=False)
+    seeing = protocol("Pong-v0", max_episode_length=10000, skip_rate=4, episodic_life=False, see_skipped=True)
+    assert plain["max_over_frames"] == 1 and seeing["max_over_frames"] == 3
+    for text, why in (('{"model_file": "Pong-v0.dat",, broken', "is not JSON (Expecting"), ("[1, 2]", "is not a JSON object")):
+        model.with_suffix(".json").write_text(text)
+        claim = card_claim(model, "Pong-v0", "0" * 64, plain, "fp32")
+        assert claim["problem"].startswith(why.split(" (")[0]) and why in f"{claim['path']} {claim['problem']}"
+        assert card_line(claim, "Pong-v0", 1, run, plain, "fp32").endswith(
+            ": not compared, and its see_skipped_frames not read (pass --see-skipped-frames if the model was trained "
+            "with it)")
+    long = {"env": "Pong-v0", "episodes": 100, "mean": 14.0, "std": 3.0, "source": "results/long.json",
+            "precision": "fp32", "protocol": json.loads(json.dumps(seeing))}
+    short = {**long, "mean": 1.0, "source": "results/short.json",
+             "protocol": json.loads(json.dumps(protocol("Pong-v0", max_episode_length=200, skip_rate=4,
+                                                        episodic_life=False, see_skipped=True)))}
+    card = {"model_file": "Pong-v0.dat", "sha256": "a" * 64, "env": "Pong-v0", "see_skipped_frames": True,
+            "evaluations": [long, short]}
+    model.with_suffix(".json").write_text(json.dumps(card))
+    assert card_line(card_claim(model, "Pong-v0", "b" * 64, plain, "fp32"), "Pong-v0", 1, run, plain, "fp32").endswith(
+        "describes another file (its sha256 differs): not compared: its see_skipped_frames not applied (pass "
+        "--see-skipped-frames if this file was trained with it)")
+    assert card_line(card_claim(model, "Pong-v0", "b" * 64, seeing, "fp32"), "Pong-v0", 1, run, seeing, "fp32") \
+        .endswith("describes another file (its sha256 differs): not compared")
+    cut = protocol("Pong-v0", max_episode_length=200, skip_rate=4, episodic_life=False, see_skipped=True)
+    assert card_claim(model, "Pong-v0", "a" * 64, cut, "fp32")["evaluation"] == short
+    assert card_line(card_claim(model, "Pong-v0", "a" * 64, cut, "fp32"), "Pong-v0", 1, run, cut, "fp32") == \
+        "card: Pong-v0 100 games 1.00 ± 3.00 (results/short.json); this run: 1 games 10.00 ± 1.00"
+    assert card_claim(model, "Pong-v0", "a" * 64, cut, "bf16")["evaluation"] == long  # no match: the first
+    assert card_claim(model, "Pong-v0", "a" * 64)["evaluation"] == long
 
 
 def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_path):

@@ -327,3 +327,23 @@ def test_main_trains_with_see_skipped_frames_and_keeps_it_in_the_checkpoint(tmp_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "this run's games show the emulator's last frame of each step" in r.stdout
     assert "every game shows the max" not in r.stdout
+    # a bare .dat: its card (when it describes this very file) says what the model was trained on
+    import hashlib
+    import json
+    import shutil
+    dat = tmp_path / "dat" / "Pong-v0.dat"
+    dat.parent.mkdir()
+    shutil.copy(tmp_path / "models" / "Pong-v0.dat", dat)
+    card = {"model_file": "Pong-v0.dat", "sha256": hashlib.sha256(dat.read_bytes()).hexdigest(),
+            "see_skipped_frames": True}
+    dat.with_suffix(".json").write_text(json.dumps(card))
+    more = ["--max-steps", "50", "--load", "--load-model-dir", str(dat.parent), "--save-model-dir",
+            str(tmp_path / "models2")]
+    r = run_entry("main.py", *common[:2], *common[4:], *more, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert (f"{dat.with_suffix('.json')} says the model was trained on the max over each step's last frames (up to "
+            f"3); this run's games show the emulator's last frame of each step") in r.stdout
+    dat.with_suffix(".json").write_text(json.dumps({**card, "sha256": "0" * 64}))  # a card of another file
+    shutil.rmtree(tmp_path / "models2")
+    r = run_entry("main.py", *common[:2], *common[4:], *more, cwd=tmp_path)
+    assert r.returncode == 0 and "says the model was trained" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
