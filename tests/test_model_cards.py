@@ -11,7 +11,9 @@ import csv
 import hashlib
 import json
 import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ PIECE_FIELDS = ("command", "commit")
 MACHINE_FIELDS = ("cpu", "cores", "precision")
 EVALUATION_FIELDS = ("env", "command", "episodes", "first_seed", "mean", "std", "min", "max", "median", "precision",
                      "protocol", "source")
-CHANCE_FIELDS = ("env", "episodes", "first_seed", "mean", "std", "min", "max", "median", "source")
+CHANCE_FIELDS = ("env", "episodes", "first_seed", "mean", "std", "min", "max", "median", "source", "command")
 # a card's evaluation field -> the key of gym_eval.py's JSON summary that it must equal
 FROM_SUMMARY = {"env": "env", "episodes": "episodes", "first_seed": "seed", "mean": "mean", "std": "std",
                 "min": "min", "max": "max", "median": "median", "protocol": "protocol"}
@@ -104,6 +106,84 @@ def _training_problems(training: dict, repo: Path, name: str) -> list[str]:
     return found
 
 
+def _flag(command: str, names: tuple[str, ...], default=None):
+    """The value of the first of ``names`` in a shell ``command`` (``--env X`` or ``--env=X``), else ``default``."""
+    words = shlex.split(command)
+    for i, w in enumerate(words):
+        for n in names:
+            if w == n and i + 1 < len(words):
+                return words[i + 1]
+            if w.startswith(n + "="):
+                return w[len(n) + 1:]
+    return default
+
+
+def _command_problems(entry: dict, where: str, random_actions: bool) -> list[str]:
+    """A ``gym_eval.py`` command of an evaluation or chance entry against the entry: the env, the JSON it wrote
+    (the ``source``), the seed, the games and the precision it says, with gym_eval.py's defaults."""
+    cmd = entry["command"]
+    if not cmd.startswith("python gym_eval.py ") or ("--random-actions" in shlex.split(cmd)) != random_actions:
+        return [f"{where}: command {cmd!r} is not a gym_eval.py run{' with' if random_actions else ' without'} "
+                f"--random-actions"]
+    said = {"env": _flag(cmd, ("--env", "-ev"), "PongNoFrameskip-v4"), "source": _flag(cmd, ("--json",)),
+            "first_seed": int(_flag(cmd, ("--seed", "-s"), 1)), "episodes": int(_flag(cmd, ("--num-episodes", "-ne"),
+                                                                                     100))}
+    if not random_actions:
+        said["precision"] = _flag(cmd, ("--precision",), "fp32")
+    return [f"{where}: its command says {k} {v!r}, the entry {entry[k]!r}" for k, v in said.items() if entry[k] != v]
+
+
+def _summary_problems(summary: dict, where: str) -> list[str]:
+    """A gym_eval.py JSON's figures against its own ``scores`` (``gym_eval.summarize``)."""
+    from gym_eval import summarize
+    scores = summary.get("scores") or []
+    if not scores:
+        return [f"{where}: the source has no scores"]
+    again = summarize(scores)
+    return [f"{where}: the source's {k} {summary.get(k)!r} is not that of its scores ({again[k]!r})"
+            for k in ("mean", "std", "min", "max", "median") if summary.get(k) != pytest.approx(again[k], abs=1e-9)]
+
+
+def _slug(heading: str) -> str:
+    """A markdown heading's anchor, as GitHub makes it: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _provenance_problems(card: dict, repo: Path, name: str) -> list[str]:
+    """What ties the card to the code and the docs: each piece's ``commit`` is a commit of ``repo``'s history (where
+    ``repo`` is a git checkout with its whole history), the last piece trained the card's ``env`` (its ``--env``,
+    or main.py's default), ``machine.cores`` is a number, and ``history`` names a section of a file in ``repo``."""
+    import subprocess
+    found = []
+    training = card["training"]
+    if (repo / ".git").exists():
+        shallow = subprocess.run(["git", "-C", str(repo), "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True).stdout.strip()
+        hashes = [p["commit"] for p in training["pieces"]]
+        for p in training["pieces"]:  # one piece may list several starts' heads
+            at_start = p.get("git_head_at_start") or []
+            hashes += [at_start] if isinstance(at_start, str) else at_start
+        for h in dict.fromkeys(h for h in hashes if h and h != "unknown"):
+            known = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{h}^{{commit}}"],
+                                   capture_output=True).returncode == 0
+            if not known and shallow == "false":
+                found.append(f"{name}: commit {h} is not a commit of the repository's history")
+    trained = _flag(training["pieces"][-1]["command"], ("--env", "-ev"), "PongNoFrameskip-v4")
+    if trained != card["env"]:
+        found.append(f"{name}: env {card['env']}, but the last piece's command trains {trained}")
+    if not isinstance(card["machine"]["cores"], int) or card["machine"]["cores"] < 1:
+        found.append(f"{name}: machine cores {card['machine']['cores']!r} is not a number of cores")
+    history = card.get("history")
+    if history:
+        file, _, anchor = history.partition("#")
+        text = (repo / file).read_text() if (repo / file).is_file() else None
+        if text is None:
+            found.append(f"{name}: history {history}: {file} is not a file of the repository")
+        elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}:
+            found.append(f"{name}: history {history}: no section of {file} has the anchor #{anchor}")
+    return found
+
+
 def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list[str]:
     """Each evaluation against the gym_eval.py JSON it cites; one with and one without sticky actions; the figures
     quoted in the limitations."""
@@ -125,9 +205,9 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
             found.append(f"{where}: precision {e['precision']}, the source's is {summary.get('precision', 'fp32')}")
         if summary.get("model") != model_rel:
             found.append(f"{where}: the source evaluated {summary.get('model')}, not {model_rel}")
-        # gym_eval.py writes the played file's sha256 since model_sha256 came in; where it is there, it is the card's
-        if "model_sha256" in summary and summary["model_sha256"] != card["sha256"]:
-            found.append(f"{where}: the source played a file of sha256 {summary['model_sha256']}, not the card's")
+        if summary.get("model_sha256") != card["sha256"]:
+            found.append(f"{where}: the source played a file of sha256 {summary.get('model_sha256')}, not the card's")
+        found += _command_problems(e, where, random_actions=False) + _summary_problems(summary, where)
         if e["episodes"] < 100:
             found.append(f"{where}: {e['episodes']} games, a card's evaluations have at least 100")
         sticky.add(e["protocol"].get("repeat_action_probability", 0) > 0)
@@ -205,9 +285,10 @@ def _chance_problems(card: dict, repo: Path, name: str) -> list[str]:
         if summary.get("policy") != "uniform random actions" or summary.get("model") is not None:
             found.append(f"{where}: the source is not a gym_eval.py --random-actions evaluation")
         found += [f"{where}: {k} {c[k]!r}, the source says {summary.get(FROM_SUMMARY[k])!r}"
-                  for k in CHANCE_FIELDS[:-1] if c[k] != summary.get(FROM_SUMMARY[k])]
+                  for k in CHANCE_FIELDS[:-2] if c[k] != summary.get(FROM_SUMMARY[k])]
         if len(summary.get("scores", [])) != c["episodes"]:
             found.append(f"{where}: {len(summary.get('scores', []))} scores in the source, not {c['episodes']}")
+        found += _command_problems(c, where, random_actions=True) + _summary_problems(summary, where)
         e = evaluations.get(c["env"])
         if e is None:
             found.append(f"{where}: the card has no evaluation on {c['env']}")
@@ -246,7 +327,12 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
     be the model file's path relative to ``repo``: a card cannot cite another model's evaluation."""
     models = sorted(models_dir.glob(f"*{MODEL_SUFFIX}"))
     cards = sorted(models_dir.glob("*.json"))
-    problems = [f"{m.name}: no card ({m.stem}.json)" for m in models if not m.with_suffix(".json").is_file()]
+    # a model in another format would have no card: only .dat files and their cards (a run's .ckpt and temporary
+    # files are gitignored there)
+    problems = [f"{f.name}: not a .dat model or its .json card (trained_models/ ships those only)"
+                for f in sorted(models_dir.iterdir()) if f.is_file() and f.suffix not in (MODEL_SUFFIX, ".json", ".ckpt")
+                and ".tmp" not in f.name and f.name != ".gitkeep"]
+    problems += [f"{m.name}: no card ({m.stem}.json)" for m in models if not m.with_suffix(".json").is_file()]
     problems += [f"{c.name}: no model file ({c.stem}{MODEL_SUFFIX})" for c in cards
                  if not c.with_suffix(MODEL_SUFFIX).is_file()]
     served: dict[str, str] = {}  # env id -> the card that names it under default_for
@@ -271,6 +357,7 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
                 problems.append(f"{name}: bytes {card['bytes']}, the file has {model.stat().st_size}")
             problems += _format_problems(card, model, name)
         problems += _training_problems(card["training"], repo, name)
+        problems += _provenance_problems(card, repo, name)
         problems += _default_for_problems(card, models_dir, name, served)
         problems += _evaluation_problems(card, model, repo, name)
         problems += _chance_problems(card, repo, name)
@@ -351,7 +438,8 @@ def repo_copy(tmp_path) -> Path:
             card = json.loads(f.read_text())
             cited = card["evaluations"] + (card.get("chance") or [])
             stored = [source for *_, source in CITED.findall(card.get("storage_note", ""))]
-            for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"] + stored:
+            history = [card["history"].partition("#")[0]] if card.get("history") else []
+            for rel in [e["source"] for e in cited] + card["training"]["monitor_csvs"] + stored + history:
                 (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / rel, tmp_path / rel)
         elif f.suffix == MODEL_SUFFIX:
@@ -414,6 +502,23 @@ BREAKAGES = {
     "the format's actions": (lambda c: c.update(format=c["format"].replace("6 actions", "4 actions")),
                              "format says (16, ['float16'], 512, 4)"),
     "a format in other words": (lambda c: c.update(format="a model"), "format does not say"),
+    "the trained env": (lambda c: c.update(env="PongNoFrameskip-v0"),
+                        "env PongNoFrameskip-v0, but the last piece's command trains PongNoFrameskip-v4"),
+    "an evaluation command's seed": (lambda c: _default(c).update(command=_default(c)["command"] + " --seed 7"),
+                                     "its command says first_seed 7"),
+    "an evaluation command's JSON": (lambda c: _sticky(c).update(command=_sticky(c)["command"].replace(
+        _sticky(c)["source"], "results/other.json")), "its command says source 'results/other.json'"),
+    "an evaluation command's games": (lambda c: _default(c).update(command=_default(c)["command"] + " -ne 30"),
+                                      "its command says episodes 30"),
+    "a chance command that plays the model": (lambda c: c["chance"][0].update(
+        command=c["chance"][0]["command"].replace(" --random-actions", "")), "is not a gym_eval.py run with "
+                                                                             "--random-actions"),
+    "a chance entry without its command": (lambda c: _drop(c["chance"][0], "command"), "chance 1: no 'command'"),
+    "the cores in words": (lambda c: c["machine"].update(cores="many"), "machine cores 'many' is not a number"),
+    "a history link to no section": (lambda c: c.update(history="docs/results.md#nowhere"),
+                                     "no section of docs/results.md has the anchor #nowhere"),
+    "a history link to no file": (lambda c: c.update(history="docs/nowhere.md#x"),
+                                  "docs/nowhere.md is not a file of the repository"),
     "a figure the storage note cites": (
         lambda c: c.update(storage_note="Before: 20.00 ± 0.00 on PongNoFrameskip-v4 "
                                         "(results/pong_eval_default.json)."),
@@ -428,6 +533,36 @@ def test_a_card_that_disagrees_with_its_sources_is_reported(repo_copy, what):
     _edit_card(repo_copy, edit)
     problems = card_problems(repo_copy / "trained_models", repo_copy)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_source_without_its_sha256_or_with_figures_not_of_its_scores_and_a_stray_file_are_reported(repo_copy):
+    src = repo_copy / "results" / "pong_half_eval_default.json"
+    summary = json.loads(src.read_text())
+    summary.pop("model_sha256")
+    src.write_text(json.dumps(summary))
+    problems = card_problems(repo_copy / "trained_models", repo_copy)
+    assert any("the source played a file of sha256 None, not the card's" in p for p in problems), problems
+    summary["model_sha256"] = hashlib.sha256((ROOT / "trained_models" / "PongNoFrameskip-v4.dat").read_bytes()).hexdigest()
+    summary["scores"][0] -= 1  # the mean, std and min now say other scores than the list
+    src.write_text(json.dumps(summary))
+    problems = card_problems(repo_copy / "trained_models", repo_copy)
+    assert any("the source's mean 21.0 is not that of its scores (20.99)" in p for p in problems), problems
+    assert not any("sha256" in p for p in problems), problems
+    (repo_copy / "trained_models" / "Breakout-v0.pt").write_bytes(b"a model in another format")
+    assert "Breakout-v0.pt: not a .dat model or its .json card (trained_models/ ships those only)" in \
+        card_problems(repo_copy / "trained_models", repo_copy)
+
+
+def test_a_commit_that_is_not_in_the_history_is_reported():
+    card = json.loads((ROOT / "trained_models" / "MsPacmanNoFrameskip-v4.json").read_text())
+    assert _provenance_problems(card, ROOT, "M.json") == []
+    card["training"]["pieces"][0]["commit"] = "deadbee"
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True,
+                             text=True).stdout.strip()
+    if shallow != "false":
+        pytest.skip("a shallow or absent git history: commits cannot be looked up")
+    assert _provenance_problems(card, ROOT, "M.json") == ["M.json: commit deadbee is not a commit of the repository's "
+                                                          "history"]
 
 
 def test_a_changed_source_and_another_models_evaluation_are_reported(repo_copy):
@@ -459,7 +594,9 @@ def test_chance_levels_are_checked_against_random_action_evaluations(repo_copy):
         run.update(changes)
         source.write_text(json.dumps(run))
         return {"env": run["env"], "episodes": run["episodes"], "first_seed": run["seed"],
-                **{k: run[k] for k in ("mean", "std", "min", "max", "median")}, "source": "results/pong_random.json"}
+                **{k: run[k] for k in ("mean", "std", "min", "max", "median")}, "source": "results/pong_random.json",
+                "command": f"python gym_eval.py --env {run['env']} --random-actions --seed {run['seed']} --json "
+                           f"results/pong_random.json"}
 
     from gym_eval import summarize
 
