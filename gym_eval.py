@@ -427,6 +427,11 @@ def points_line(lost: dict, n: int) -> str:
     return line
 
 
+def as_in_card(proto: dict) -> dict:
+    """A protocol as a card holds it (JSON): a tuple, ALE's frame-skip range, is a list there."""
+    return json.loads(json.dumps(proto))
+
+
 def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None = None,
                compute_precision: str | None = None) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
@@ -449,7 +454,7 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
     if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
         raise TypeError("its 'evaluations' is not a list of objects")
     on_env = [e for e in evaluations if e.get("env") == env_id]
-    stored = json.loads(json.dumps(proto)) if proto is not None else None  # a range is a list in a card
+    stored = as_in_card(proto) if proto is not None else None
     matching = [e for e in on_env if stored is not None and e.get("protocol") == stored
                 and e.get("precision") == compute_precision]
     evaluation = (matching or on_env or [None])[0]
@@ -472,7 +477,7 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
         return f"card: no evaluation on {env_id} (trained on {claim['trained_on']})"
     line = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
             f"this run: {n} games {s['mean']:.2f} ± {s['std']:.2f}")
-    as_stored = json.loads(json.dumps(proto))  # as a card holds it: a tuple (a frame-skip range) is a list there
+    as_stored = as_in_card(proto)
     differs = [f"{k} {v} (card: {e['protocol'].get(k)})" for k, v in proto.items()
                if e["protocol"].get(k) != as_stored[k]]
     if e.get("precision") != compute_precision:

@@ -142,8 +142,7 @@ def last_monitor(csv_path: Path) -> dict:
     cut short by a kill is left out)."""
     import csv
     with open(csv_path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if None not in r.values() and r.get("global_steps")]
-    rows = [r for r in rows if r["global_steps"].isdigit()]
+        rows = [r for r in csv.DictReader(f) if None not in r.values() and (r.get("global_steps") or "").isdigit()]
     if not rows:
         return {"games": 0}
     last = rows[-1]
