@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-ids", "-gp", type=int, nargs="+", default=[-1],
                    help="GPUs for the workers, round-robin (A3G mode); -1 = CPU (default)")
     p.add_argument("--amsgrad", "-a", action=BoolFlag, default=False, help="AMSGrad variant of Adam")
+    p.add_argument("--optimizer-eps", type=float, default=None,
+                   help="the term added to the root of the optimizer's second moment; a smaller one lets parameters "
+                        "with small gradients (most of the LSTM's) take Adam's full step (default: upstream's, "
+                        "1e-3 for Adam and 0.1 for RMSprop)")
     p.add_argument("--tensorboard-logger", "-tl", action=BoolFlag, default=False,
                    help="write TensorBoard scalars to <log-dir>/runs/<env>_training")
     p.add_argument("--distributed-step-size", "-dss", type=int, nargs="+", default=None,
@@ -358,6 +362,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     skip = tuple(f"--{name.replace('_', '-')} " for name in not_finite)
     checks = [
         (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
+        (args.optimizer_eps is None or args.optimizer_eps > 0,
+         f"--optimizer-eps must be > 0, got {args.optimizer_eps}"),
         (0 < args.gamma <= 1, f"--gamma must be in (0, 1], got {args.gamma}"),
         (0 <= args.tau <= 1, f"--tau must be in [0, 1], got {args.tau}"),
         (args.entropy_coef >= 0, f"--entropy-coef must be >= 0, got {args.entropy_coef}"),

@@ -120,7 +120,7 @@ def resume_problems(ckpt: dict, path: Path, args: Namespace, n_actions: int) -> 
     opt_state = ckpt.get("optimizer")
     if args.shared_optimizer and opt_state is not None and ckpt.get("optimizer_name") == args.optimizer:
         probe = make_optimizer(args.optimizer, A3Clstm(1, n_actions, args.hidden_size).parameters(), args.lr,
-                               args.amsgrad, shared=True)  # the class the run loads them into, with its checks
+                               args.amsgrad, shared=True, eps=args.optimizer_eps)  # the class the run loads them into
         try:
             probe.load_state_dict(opt_state)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as e:
@@ -406,7 +406,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     shared_model.share_memory()
     optimizer = None
     if args.shared_optimizer:
-        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
+        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True,
+                                   eps=args.optimizer_eps)
     mode: Mode
     if args.ray_address is not None:
         from multinode.run import RayRun
@@ -431,7 +432,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             log.info(f"resumed the {args.optimizer} statistics")
             saved = optimizer.saved_hyperparameters(opt_state)[0]
             changed = [f"{k} {saved[k]} -> {v}" for k, v in optimizer.param_groups[0].items()
-                       if k in ("lr", "amsgrad") and k in saved and saved[k] != v]
+                       if k in ("lr", "amsgrad", "eps") and k in saved and saved[k] != v]
             if changed:
                 log.info("the command line changes the checkpoint's " + ", ".join(changed))
         else:

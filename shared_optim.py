@@ -181,16 +181,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+DEFAULT_EPS = {"Adam": 1e-3, "RMSprop": 0.1}  # upstream A3G's
+
+
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, amsgrad: bool = False,
-                   shared: bool = True) -> torch.optim.Optimizer:
+                   shared: bool = True, eps: float | None = None) -> torch.optim.Optimizer:
     """``SharedAdam``/``SharedRMSprop`` when ``shared``, else a private ``torch.optim`` one with the same settings
-    (each worker keeps its own statistics, upstream's ``--shared-optimizer False``)."""
+    (each worker keeps its own statistics, upstream's ``--shared-optimizer False``). ``eps`` is the term added to
+    the root of the second moment (``--optimizer-eps``); None gives upstream's, ``DEFAULT_EPS``."""
+    if name not in DEFAULT_EPS:
+        raise ValueError(f"unknown optimizer '{name}' (use Adam or RMSprop)")
+    eps = DEFAULT_EPS[name] if eps is None else eps
     if name == "Adam":
         if shared:
-            return SharedAdam(params, lr=lr, amsgrad=amsgrad)
-        return Adam(params, lr=lr, eps=1e-3, amsgrad=amsgrad, fused=True)
-    if name == "RMSprop":
-        if shared:
-            return SharedRMSprop(params, lr=lr)
-        return RMSprop(params, lr=lr, alpha=0.99, eps=0.1, foreach=True)
-    raise ValueError(f"unknown optimizer '{name}' (use Adam or RMSprop)")
+            return SharedAdam(params, lr=lr, eps=eps, amsgrad=amsgrad)
+        return Adam(params, lr=lr, eps=eps, amsgrad=amsgrad, fused=True)
+    if shared:
+        return SharedRMSprop(params, lr=lr, eps=eps)
+    return RMSprop(params, lr=lr, alpha=0.99, eps=eps, foreach=True)

@@ -179,7 +179,8 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     ctx = mp.get_context("spawn")
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
     shared.share_memory()
-    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True,
+                               eps=args.optimizer_eps)
     run = RunState(args.workers, args.score_window)
     procs = launch(ctx, args, shared, optimizer, run)
     try:
@@ -218,7 +219,8 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
     ctx = mp.get_context("spawn")
     shared = A3Clstm(1, num_actions(args.env), args.hidden_size)
     shared.share_memory()
-    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True)
+    optimizer = make_optimizer(args.optimizer, shared.parameters(), args.lr, args.amsgrad, shared=True,
+                               eps=args.optimizer_eps)
     log = logging.getLogger("benchmark.ga3c")
     log.propagate = False
     dynamic_events: list[str] = []  # --dynamic's decisions, as main.py would log them

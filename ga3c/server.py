@@ -236,7 +236,8 @@ def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: Env
     from shared_optim import make_optimizer
     trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
     if optimizer is None:
-        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
+        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False,
+                                   eps=args.optimizer_eps)
     return Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), stop,
                   num_predictors=args.predictors, num_trainers=args.trainers, trainer_devices=trainer_devices,
                   predictor_devices=predictor_devices, sync_every=args.sync_every, seed=args.seed)

@@ -118,7 +118,7 @@ class HogwildNode:
         payload = joined.get("payload") or {}
         if args.shared_optimizer:
             self.optimizer = make_optimizer(args.optimizer, self.model.parameters(), args.lr, args.amsgrad,
-                                            shared=True)
+                                            shared=True, eps=args.optimizer_eps)
             if payload.get("optimizer") is not None:
                 try:
                     self.optimizer.load_state_dict(payload["optimizer"])

@@ -73,6 +73,13 @@ def test_validation_reports_everything_at_once():
     assert validate(parse()) == [] and validate(parse("--mode", "a3g")) == []
 
 
+def test_optimizer_eps_defaults_to_upstreams_and_must_be_positive():
+    assert parse().optimizer_eps is None and parse("--optimizer-eps", "1e-5").optimizer_eps == 1e-5
+    assert validate(parse("--optimizer-eps", "1e-5")) == []
+    for bad in ("0", "-1e-5"):
+        assert validate(parse(f"--optimizer-eps={bad}")) == [f"--optimizer-eps must be > 0, got {float(bad)}"]
+
+
 def test_usage_errors_are_one_line(tmp_path):
     from conftest import run_entry
     for script, args in (("main.py", ["--workers", "many"]), ("gym_eval.py", ["--bogus"]), ("plot.py", [])):

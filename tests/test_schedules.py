@@ -226,10 +226,13 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
     # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early), from
     # the command line's --lr; the checkpoint kept the unannealed 0.001, so the log names that as the change
-    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--lr", "0.002", "--max-steps", str(steps + 100), "--load")
+    out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--lr", "0.002", "--max-steps", str(steps + 100), "--load",
+                   "--optimizer-eps", "1e-05")
     now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
     assert now == pytest.approx(linear_anneal(0.002, steps, 1000), rel=1e-2)
-    assert "the command line changes the checkpoint's lr 0.001 -> 0.002" in out
+    assert "the command line changes the checkpoint's lr 0.001 -> 0.002, eps 0.001 -> 1e-05" in out
+    assert torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)["optimizer"]["param_groups"][0][
+        "eps"] == 1e-05  # the trainers stepped the optimizer main.py built with --optimizer-eps
     assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 100 -> 1,000, "
             "--entropy-anneal-steps 60 -> 0") in out
     assert f"stopped: reached --max-steps {steps + 100:,}" in out

@@ -118,6 +118,28 @@ def test_make_optimizer_private():
         make_optimizer("SGD", make_params(), 1e-3)
 
 
+@pytest.mark.parametrize("name,ref_cls,ref_kw", [
+    ("Adam", torch.optim.Adam, {}), ("RMSprop", torch.optim.RMSprop, {"alpha": 0.99})])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_make_optimizer_applies_optimizer_eps(name, ref_cls, ref_kw, shared):
+    """``--optimizer-eps`` reaches the step: the same updates as torch.optim's with that eps, not upstream's
+    (1e-3 / 0.1 would give other values with these gradients of about 1e-4)."""
+    a, b = make_params(), make_params()
+    opt = make_optimizer(name, a, 1e-2, shared=shared, eps=1e-8)
+    ref = ref_cls(b, lr=1e-2, eps=1e-8, foreach=False, **ref_kw)
+    assert opt.defaults["eps"] == 1e-8 and isinstance(opt, SharedAdam if name == "Adam" and shared else torch.optim.Optimizer)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        grads = [1e-4 * torch.randn(p.shape, generator=g) for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref.step()
+    for p, q, p0 in zip(a, b, make_params()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0) and (p - p0).abs().max() > 1e-3
+    assert make_optimizer(name, make_params(), 1e-2, shared=shared).defaults["eps"] == {"Adam": 1e-3, "RMSprop": 0.1}[name]
+
+
 def _child_steps(params, opt, n, done):
     for _ in range(n):
         for p in params:
