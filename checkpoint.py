@@ -250,8 +250,8 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     def bad(field: str, what: str):
         raise ModelFileError(f"checkpoint {path} is damaged: '{field}' {what}")
 
-    def count(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    def count(x) -> bool:  # the run's counters are int64 in shared memory
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 63
 
     def finite(x) -> bool:
         try:
@@ -266,7 +266,7 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
         raise ModelFileError(f"checkpoint {path} is of format version {version}, newer than this code's "
                              f"{CHECKPOINT_VERSION}: update the repository (git pull) to resume it")
     steps = ckpt.get("global_steps", 0)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    if not count(steps):
         bad("global_steps", "is not a step count")
     elapsed = ckpt.get("elapsed_seconds", 0.0)
     if not isinstance(elapsed, (int, float)) or isinstance(elapsed, bool):

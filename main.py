@@ -332,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
                "with another folder")
         problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) of an earlier run, "
                         f"and this run would add its own to them: {how} (or move the file away)")
-    if not (args.load and same_dir):
-        existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
-                    if p.exists()]
-        if existing and existing[0].is_dir():
-            problems.append(f"{existing[0]} is a folder where this run would write its model file: move it away, or "
-                            f"pass --save-model-dir DIR with another folder")
-        elif existing:
+    existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
+                if p.exists()]
+    folders = [p for p in existing if p.is_dir()]
+    if folders:  # a resume into the same folder too: every write there would fail after training
+        problems.append(f"{folders[0]} is a folder where this run would write its model file: move it away, or "
+                        f"pass --save-model-dir DIR with another folder")
+    elif not (args.load and same_dir):
+        if existing:
             problems.append(f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass "
                             f"--load (it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
                             f"--save-model-dir DIR with another folder")

@@ -56,7 +56,8 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
     if count > 0:
         normalizer(env).set_stats(mean, std, int(count))
     if optimizer is None:
-        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False)
+        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=False,
+                                   eps=args.optimizer_eps)
     model = A3Clstm(1, env.action_space.n, args.hidden_size).channels_last().to(device)
     model.set_precision(compute_dtype(args.compute_precision))
     model.train()

@@ -664,6 +664,8 @@ def broken_checkpoint(kind: str, path: Path) -> None:
         torch.save({**good, "config": {"env": 5, "train_envs": 7, "lr_anneal_steps": "x"}}, path)
     elif kind == "elapsed-beyond-a-float":
         torch.save({**good, "elapsed_seconds": 10 ** 400}, path)
+    elif kind == "steps-beyond-int64":  # the run's counters are int64: 2**63 would overflow them at start-up
+        torch.save({**good, "global_steps": 2 ** 63}, path)
     elif kind == "ga3c-updates-is-a-word":
         torch.save({**good, "ga3c_updates": "many"}, path)
     elif kind == "monitor-has-nan-games":
@@ -686,7 +688,8 @@ def broken_file_case(tmp_path, entry: str, kind: str):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if entry == "main.py":
         args = ["--load", "--load-model-dir", str(models), "--save-model-dir", str(models),
-                "--log-dir", str(tmp_path / "logs"), "--hidden-size", "32", "--env-config", str(ROOT / "config.json")]
+                "--log-dir", str(tmp_path / "logs"), "--hidden-size", "32", "--env-config", str(ROOT / "config.json"),
+                "--max-steps", "0"]  # no step limit: the checkpoint's own checks must refuse it
     else:
         args = ["--model-file", str(path), "--num-episodes", "1", "--hidden-size", "32",
                 "--log-dir", str(tmp_path / "logs"), "--env-config", str(ROOT / "config.json")]
@@ -710,7 +713,7 @@ def test_broken_checkpoint_is_bad_input(tmp_path, entry, kind):
 
 
 @pytest.mark.parametrize("kind", ["newer-version", "config-is-a-list", "config-values-of-another-type",
-                                  "elapsed-beyond-a-float", "ga3c-updates-is-a-word",
+                                  "elapsed-beyond-a-float", "steps-beyond-int64", "ga3c-updates-is-a-word",
                                   "monitor-has-nan-games", "optimizer-of-another-model"])
 def test_a_checkpoint_that_cannot_be_resumed_is_bad_input(tmp_path, kind):
     """Fields a resume reads (a format newer than the code, a damaged one, optimizer statistics of another model):

@@ -254,6 +254,16 @@ def test_a_folder_where_the_model_file_would_be(tmp_path, models):
     assert line.startswith(f"main.py: error: --load: {models / 'PongNoFrameskip-v4.dat'} is a folder, not a model file")
 
 
+def test_a_folder_where_the_checkpoint_would_be_is_refused_on_a_resume_into_the_same_folder(tmp_path, models):
+    """--load resumes from the .dat beside it, and every checkpoint write would fail after training: refused first."""
+    from model import A3Clstm
+    torch.save(A3Clstm(1, 6, 32).state_dict(), models / "PongNoFrameskip-v4.dat")
+    (models / "PongNoFrameskip-v4.ckpt").mkdir()
+    (line,) = bad(tmp_path, *TINY, "--load")
+    assert line.startswith(f"main.py: error: {models / 'PongNoFrameskip-v4.ckpt'} is a folder where this run would "
+                           f"write its model file")
+
+
 @pytest.mark.parametrize("extra, limit", [(["--max-steps", "400"], "--max-steps 400: pass a larger --max-steps (0: no limit)"),
                                           (["--lr-anneal-steps", "500"], "the end of --lr-anneal-steps 500: pass a "
                                                                          "larger --lr-anneal-steps")])

@@ -221,3 +221,27 @@ def test_building_stepping_and_saving_an_optimizer_never_imports_the_compiler(tm
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "compiler modules: []"
+
+
+def test_an_a3g_workers_private_optimizer_takes_optimizer_eps(tmp_path, monkeypatch):
+    """--no-shared-optimizer: each A3G worker (and a Ray node's, which runs the same worker) builds its own
+    optimizer in ``train.run_worker``; it must have --optimizer-eps, not upstream's 1e-3."""
+    import train
+    from config import build_parser, validate
+    from environment import num_actions
+    from model import A3Clstm
+    from run_state import RunState
+    args = build_parser().parse_args(["--mode", "a3g", "--workers", "1", "--no-shared-optimizer", "--optimizer-eps", "1e-5",
+                                      "--hidden-size", "32", "--save-model-dir", str(tmp_path / "m"),
+                                      "--log-dir", str(tmp_path / "l")])
+    assert validate(args) == []
+    built = []
+
+    def spy(*a, **kw):
+        built.append(make_optimizer(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(train, "make_optimizer", spy)
+    shared = A3Clstm(1, num_actions(args.env), 32)
+    train.run_worker(0, args, shared, None, RunState(1, args.score_window), torch.device("cpu"), max_updates=0)
+    assert len(built) == 1 and built[0].param_groups[0]["eps"] == 1e-5
