@@ -62,7 +62,7 @@ MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.00
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
                    "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
-                   "short_game_slots", "short_game_length")
+                   "short_game_slots", "short_game_length", "greedy_slots")
 _NOT_GIVEN = object()
 
 
@@ -292,6 +292,12 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="env slots 0 to K-1 play games cut (truncated) at --short-game-length agent steps, so "
                         "that the learners meet a game's opening more often; their games are not counted as "
                         "learner games; the monitor is unchanged (default: %(default)s, none)")
+    g.add_argument("--greedy-slots", type=int, default=0, metavar="G",
+                   help="the G env slots after the --short-game-slots act greedily (the argmax action, as the "
+                        "monitor does), so that the learners meet the states where the greedy policy goes wrong; "
+                        "their policy-gradient terms are weighted by pi(a) (the importance weight of a "
+                        "deterministic behaviour policy, mu = 1); their games are not counted as learner games "
+                        "(default: %(default)s, none)")
     g.add_argument("--short-game-length", type=int, default=150, metavar="STEPS",
                    help="the time limit of the --short-game-slots, in agent steps, the reset's FIRE and action 2 "
                         "included; at least 3 (default: %(default)s)")
@@ -539,26 +545,32 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
 
 
 def short_game_problems(args: argparse.Namespace) -> list[str]:
-    """``--short-game-slots K`` and ``--short-game-length L``: K >= 0 and L >= 3 (the reset's FIRE and action 2
-    count in it), checked in either mode; in GA3C mode also L below ``--max-episode-length`` (else the cut changes
-    nothing), and whole games left: at least one env slot, and one for each ``--train-envs`` id (with
-    ``--dynamic``, within one agent's slots, since its agents may drop to one)."""
+    """``--short-game-slots K``, ``--short-game-length L`` and ``--greedy-slots G``: K, G >= 0 and L >= 3 (the
+    reset's FIRE and action 2 count in it), checked in either mode; in GA3C mode also L below
+    ``--max-episode-length`` when K > 0 (else the cut changes nothing), and sampled whole games left after the K
+    short and the G greedy slots: at least one env slot, and one for each ``--train-envs`` id (with ``--dynamic``,
+    within one agent's slots, since its agents may drop to one)."""
     errors = []
     k, length = args.short_game_slots, args.short_game_length
+    g = getattr(args, "greedy_slots", 0)
     if k < 0:
         errors.append(f"--short-game-slots must be >= 0 (0 = none), got {k}")
+    if g < 0:
+        errors.append(f"--greedy-slots must be >= 0 (0 = none), got {g}")
     if length < 3:
         errors.append(f"--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), got {length}")
-    if args.mode != "ga3c" or k <= 0:
+    if args.mode != "ga3c" or k < 0 or g < 0 or k + g == 0:
         return errors
-    if length >= 3 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
+    if k > 0 and length >= 3 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
         errors.append(f"--short-game-length {length} must be below --max-episode-length {args.max_episode_length}, "
                       f"or the short games are not shorter")
-    if args.agents >= 1 and args.envs_per_agent >= 1:
-        slots, flags = ((args.envs_per_agent, f"--envs-per-agent {args.envs_per_agent} (--dynamic may leave one "
-                                              f"agent)") if args.dynamic else
-                        (args.agents * args.envs_per_agent,
-                         f"--agents {args.agents} x --envs-per-agent {args.envs_per_agent}"))
+    if args.agents < 1 or args.envs_per_agent < 1:
+        return errors
+    slots, flags = ((args.envs_per_agent, f"--envs-per-agent {args.envs_per_agent} (--dynamic may leave one "
+                                          f"agent)") if args.dynamic else
+                    (args.agents * args.envs_per_agent,
+                     f"--agents {args.agents} x --envs-per-agent {args.envs_per_agent}"))
+    if g == 0:  # the wording users of --short-game-slots alone have seen
         if k >= slots:
             errors.append(f"--short-game-slots {k} leaves none of the {slots} env slots of {flags} for whole games; "
                           f"give at most {slots - 1}")
@@ -569,7 +581,30 @@ def short_game_problems(args: argparse.Namespace) -> list[str]:
                 errors.append(f"--short-game-slots {k}: {', '.join(cut_only)} (--train-envs) would play only cut games "
                               f"in the {slots} env slots of {flags}; give fewer short slots, or list "
                               f"{'it' if len(cut_only) == 1 else 'them'} again in --train-envs")
+        return errors
+    taken = f"--greedy-slots {g}" + (f" and --short-game-slots {k}" if k else "")
+    if k + g >= slots:
+        errors.append(f"{taken} leave none of the {slots} env slots of {flags} for sampled whole games; give at "
+                      f"most {slots - 1} in all")
+    elif args.train_envs:
+        sampled = {train_env_id(args, s) for s in range(k + g, slots)}
+        missing = list(dict.fromkeys(i for i in args.train_envs if i not in sampled))
+        if missing:
+            errors.append(f"{taken}: {', '.join(missing)} (--train-envs) would have no sampled whole games in the "
+                          f"{slots} env slots of {flags}; give fewer, or list {'it' if len(missing) == 1 else 'them'} "
+                          f"again in --train-envs")
     return errors
+
+
+def greedy_slots_line(args: argparse.Namespace) -> str | None:
+    """The start-up line for ``--greedy-slots``; None without it."""
+    g = args.greedy_slots
+    if args.mode != "ga3c" or g <= 0:
+        return None
+    first, n = max(args.short_game_slots, 0), args.agents * args.envs_per_agent
+    which = f"env slot {first} of {n} acts" if g == 1 else f"env slots {first}-{first + g - 1} of {n} act"
+    return (f"{which} greedily, as the monitor does (--greedy-slots): policy-gradient terms weighted by pi(a), "
+            f"games not counted as learner games")
 
 
 def short_games_line(args: argparse.Namespace) -> str | None:

@@ -47,7 +47,7 @@ from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLocked
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
                         read_weights, remove_stale_temp_files, state_dict_of)
 from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
-                    short_games_line, train_envs_line, validate)
+                    greedy_slots_line, short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -468,7 +468,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (train_envs_line(args), short_games_line(args), see_skipped_line(args)):
+    for line in (train_envs_line(args), short_games_line(args), greedy_slots_line(args), see_skipped_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),

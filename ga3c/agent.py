@@ -35,7 +35,8 @@ class AtariEnvFactory:
     """Builds a learner's environment for an env slot with ``environment.atari_env`` (``episodic_life=True``).
     Slot s plays ``env_ids[s % len(env_ids)]`` (``--train-envs``), or ``env_id`` when ``env_ids`` is empty; slots
     below ``short_slots`` have the time limit ``short_length`` (``--short-game-slots``), the others
-    ``max_episode_length``. Picklable, so it can be handed to a spawned agent process."""
+    ``max_episode_length``; the ``greedy_slots`` after them (``--greedy-slots``, whose actions the predictor
+    picks by argmax) play whole games that are not counted as learner games either. Picklable, so it can be handed to a spawned agent process."""
 
     env_id: str
     env_config: str | Path
@@ -46,6 +47,7 @@ class AtariEnvFactory:
     env_ids: tuple[str, ...] = ()
     short_slots: int = 0
     short_length: int = 150
+    greedy_slots: int = 0
 
     @classmethod
     def for_args(cls, args) -> "AtariEnvFactory":
@@ -54,17 +56,19 @@ class AtariEnvFactory:
                    env_ids=tuple(getattr(args, "train_envs", None) or ()),
                    short_slots=getattr(args, "short_game_slots", 0),
                    short_length=getattr(args, "short_game_length", 150),
+                   greedy_slots=getattr(args, "greedy_slots", 0),
                    see_skipped=getattr(args, "see_skipped_frames", False))
 
     def env_id_of(self, slot: int) -> str:
         return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id
 
     def counts_games(self, slot: int) -> bool:
-        """Whether slot ``slot``'s games are learner games (not ``--short-game-slots``' cut ones)."""
-        return slot >= self.short_slots
+        """Whether slot ``slot``'s games are learner games (not ``--short-game-slots``' cut ones, nor the
+        ``--greedy-slots``' argmax ones)."""
+        return slot >= self.short_slots + self.greedy_slots
 
     def max_length_of(self, slot: int) -> int:
-        return self.max_episode_length if self.counts_games(slot) else self.short_length
+        return self.short_length if slot < self.short_slots else self.max_episode_length
 
     def __call__(self, slot: int):
         from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
@@ -98,7 +102,7 @@ class EnvRunner:
 
     def __init__(self, slot: int, env, buffers: EnvSlots, seed: int | None = None, counts_games: bool = True):
         self.slot = slot
-        self.counts_games = counts_games  # False: a --short-game-slots slot, whose games are not learner games
+        self.counts_games = counts_games  # False: a --short-game-slots or --greedy-slots slot: not learner games
         self.env = env
         self.buffers = buffers
         self.seed = seed

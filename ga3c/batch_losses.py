@@ -13,6 +13,10 @@ Policy lag (GA3C): a segment may be trained by weights several updates newer tha
 ``is_clip`` the policy-gradient term of each step is weighted by ``w = min(pi(a)/mu(a), is_clip)`` (detached),
 ``mu`` the behaviour probability recorded when acting (tensorpack's truncated importance sampling, clip 10 there;
 the value and entropy terms are unweighted). ``is_clip=None`` is plain GA3C and exactly the repo's A3C loss.
+
+Greedy slots (``--greedy-slots``): their steps took the argmax action and recorded ``mu = 1``, so their
+policy-gradient terms are weighted by ``w = min(pi(a)/mu(a), max(is_clip, 1))`` = ``pi(a)`` whether or not
+``is_clip`` is set: the truncated importance weight of a deterministic behaviour policy. ``greedy`` marks them.
 """
 from __future__ import annotations
 
@@ -75,22 +79,28 @@ def importance_weights(log_probs_taken: torch.Tensor, mu: torch.Tensor, is_clip:
     return ratio.clamp(max=is_clip)
 
 
+def greedy_clip(is_clip: float | None) -> float:
+    """The clip of a greedy step's importance weight: ``is_clip``, but at least 1 (``pi/1`` is never above 1)."""
+    return 1.0 if is_clip is None else max(is_clip, 1.0)
+
+
 def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
                  bootstrap: float, *, mu: torch.Tensor | None = None, is_clip: float | None = None, gamma: float,
-                 tau: float, entropy_coef: float, value_coef: float) -> A3CLoss:
+                 tau: float, entropy_coef: float, value_coef: float, greedy: bool = False) -> A3CLoss:
     """One segment's loss, the reference the batched loss is tested against.
 
-    ``is_clip=None``: exactly ``losses.a3c_loss``. Otherwise the same terms with the policy-gradient term of step
-    i weighted by ``importance_weights``: ``-sum_i w_i log pi(a_i) A_i``.
+    ``is_clip=None`` and not ``greedy``: exactly ``losses.a3c_loss``. Otherwise the same terms with the
+    policy-gradient term of step i weighted by ``importance_weights``: ``-sum_i w_i log pi(a_i) A_i``, clipped at
+    ``is_clip``, or at ``greedy_clip(is_clip)`` for a greedy slot's segment.
     """
-    if is_clip is None:
+    if is_clip is None and not greedy:
         return a3c_loss(logits, values, actions, rewards, bootstrap, gamma=gamma, tau=tau,
                         entropy_coef=entropy_coef, value_coef=value_coef)
     rewards = rewards.to(values.dtype)
     returns = discounted_returns(rewards.detach().cpu(), bootstrap, gamma).to(values.device)
     adv = gae_advantages(rewards.detach().cpu(), values.detach().cpu(), bootstrap, gamma, tau).to(values.device)
     taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
-    w = importance_weights(taken, mu.to(values.device), is_clip)
+    w = importance_weights(taken, mu.to(values.device), greedy_clip(is_clip) if greedy else is_clip)
     ent = entropy(logits).sum()
     p_loss = policy_loss(taken, adv * w)
     v_loss = value_loss(values, returns)
@@ -100,12 +110,13 @@ def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tens
 def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
                      bootstrap: torch.Tensor, lengths: torch.Tensor, *, mu: torch.Tensor | None = None,
                      is_clip: float | None = None, gamma: float, tau: float, entropy_coef: float,
-                     value_coef: float) -> tuple[A3CLoss, torch.Tensor | None]:
+                     value_coef: float, greedy: torch.Tensor | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
     """The sum over segments of ``segment_loss``, computed at once.
 
-    Flat segment-major ``logits (S, A)``, ``values (S,)``, ``actions (S,)``, ``rewards (S,)``, ``mu (S,)``;
-    per segment ``bootstrap (B,)`` and ``lengths (B,)``. Returns the loss terms (each summed over all steps of
-    all segments) and the importance weights ``(S,)`` (None when ``is_clip`` is None).
+    Flat segment-major ``logits (S, A)``, ``values (S,)``, ``actions (S,)``, ``rewards (S,)``, ``mu (S,)``,
+    ``greedy (S,)`` bool (the steps of greedy slots' segments; None: none); per segment ``bootstrap (B,)`` and
+    ``lengths (B,)``. Returns the loss terms (each summed over all steps of all segments) and the importance
+    weights ``(S,)`` (None when ``is_clip`` is None and no step is greedy; then 1 for the steps not greedy).
     """
     index = flat_index(lengths)
     b, t = index
@@ -116,8 +127,14 @@ def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.
     returns, adv = ret_pad[dev_b, dev_t], adv_pad[dev_b, dev_t]
     taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
     w = None
-    if is_clip is not None:
-        w = importance_weights(taken, mu.to(values.device), is_clip)
+    if greedy is not None and not bool(greedy.any()):
+        greedy = None
+    if is_clip is not None or greedy is not None:
+        mu = mu.to(values.device)
+        w = (importance_weights(taken, mu, is_clip) if is_clip is not None
+             else torch.ones_like(taken).detach())
+        if greedy is not None:
+            w = torch.where(greedy.to(values.device), importance_weights(taken, mu, greedy_clip(is_clip)), w)
         adv = adv * w
     ent = entropy(logits).sum()
     p_loss = policy_loss(taken, adv)

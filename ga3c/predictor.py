@@ -3,8 +3,9 @@
 Each step takes the requests waiting in the slots this predictor owns, up to ``predict_batch`` of them (starting
 after the last slot served, so no slot starves when more are waiting), and runs ``A3Clstm.forward`` once on
 ``(B, 1, 80, 80)`` with the per-slot LSTM states gathered into ``(B, H)``. A batched forward equals stepping
-each env alone at batch 1 (tested). It then samples each action from its softmax, answers each slot with the
-action, its probability ``mu`` under the acting policy and the version of the weights that acted (the update
+each env alone at batch 1 (tested). It then samples each action from its softmax (a ``--greedy-slots`` slot
+takes the argmax and records ``mu = 1``), answers each slot with the action, its probability ``mu`` under the
+acting policy and the version of the weights that acted (the update
 count they include), and scatters the new states back. Slots not in the batch keep their state.
 
 The LSTM state of every slot lives here, not in the agent: the agent never runs the model. A request flagged
@@ -79,7 +80,7 @@ class Predictor:
                  predict_batch: int, counters=None, index: int = 0, sink=None,
                  device: torch.device | str = "cpu", source=None, seed: int = 0, greedy: bool = False,
                  open_segments: dict | None = None, sync_every: int = 1, save_activations: bool = False,
-                 step_lock=None):
+                 step_lock=None, greedy_slots=()):
         self.model = model
         # held while reading the version and copying the weights: the trainers step the optimizer and move the
         # version under it, so the copy and its stamp are always one version's
@@ -95,6 +96,11 @@ class Predictor:
         self.device = torch.device(device)
         self.source = source
         self.greedy = greedy
+        # --greedy-slots: these slots take the argmax action and record mu = 1 (a deterministic behaviour policy)
+        self.greedy_slots = frozenset(int(s) for s in greedy_slots)
+        self.greedy_mask = torch.zeros(buffers.num_slots if self.greedy_slots else 0, dtype=torch.bool)
+        for s in self.greedy_slots:
+            self.greedy_mask[s] = True
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Open segments by slot; predictors that replace this one (``Server.set_counts``) take the same dict over.
         self.open: dict[int, SegmentBuilder] = {} if open_segments is None else open_segments
@@ -150,6 +156,11 @@ class Predictor:
         else:
             actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         mu = probs.gather(1, actions.unsqueeze(1)).squeeze(1)
+        if self.greedy_slots:
+            g = self.greedy_mask[slots].to(actions.device)
+            if bool(g.any()):
+                actions = torch.where(g, logits.argmax(1), actions)
+                mu = torch.where(g, torch.ones_like(mu), probs.gather(1, actions.unsqueeze(1)).squeeze(1))
         self.buffers.respond(slots, req["seq"], actions, mu, version)
         self.predictions += slots.numel()
         if self.counters is not None:
@@ -181,7 +192,8 @@ class Predictor:
                 self.open.pop(slot, None)
                 continue
             if seg is None:
-                seg = SegmentBuilder(slot, (state[0][j: j + 1].cpu(), state[1][j: j + 1].cpu()))
+                seg = SegmentBuilder(slot, (state[0][j: j + 1].cpu(), state[1][j: j + 1].cpu()),
+                                     greedy=slot in self.greedy_slots)
                 self.open[slot] = seg
             seg.add_step(req["obs"][j], int(actions[j]), float(mu[j]), version,
                          None if cache is None else activation_rows(cache, j))

@@ -64,6 +64,7 @@ class Segment:
     truncated: bool
     bootstrap: float
     acts: list[torch.Tensor] | None = None  # ACT_FIELDS, each (L, ...), or None
+    greedy: bool = False  # a --greedy-slots slot's: argmax actions, mu = 1
 
     def __len__(self) -> int:
         return int(self.actions.shape[0])
@@ -78,8 +79,9 @@ class Segment:
 class SegmentBuilder:
     """The open segment of one slot, step by step (used by the predictor)."""
 
-    def __init__(self, slot: int, state: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, slot: int, state: tuple[torch.Tensor, torch.Tensor], greedy: bool = False):
         self.slot = slot
+        self.greedy = greedy
         self.state = (state[0].detach().clone(), state[1].detach().clone())
         self.frames: list[torch.Tensor] = []
         self.actions: list[int] = []
@@ -123,4 +125,5 @@ class SegmentBuilder:
             bootstrap=0.0 if terminated else float(bootstrap),
             acts=([cat_rows([a[i] for a in self.acts]) for i in range(len(ACT_FIELDS))]
                   if len(self.acts) == len(self.actions) else None),
+            greedy=self.greedy,
         )

@@ -134,7 +134,8 @@ class Server:
                 num_steps=self.settings.num_steps, predict_batch=self.settings.predict_batch,
                 counters=self.counters, index=p, sink=sink, device=device, source=source, seed=first_seed + p,
                 open_segments=self.open_segments, sync_every=self.sync_every,
-                save_activations=self.settings.replay_activations, step_lock=self.step_lock))
+                save_activations=self.settings.replay_activations, step_lock=self.step_lock,
+                greedy_slots=self.settings.greedy_slot_ids()))
             self._predictor_retire.append(retire)
 
     def _add_trainer(self) -> Trainer:

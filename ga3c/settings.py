@@ -25,6 +25,12 @@ class Ga3cSettings:
     lr: float = 1e-4  # the start of the learning-rate schedule (the optimizer is built with it)
     lr_anneal_steps: int = 0  # lr falls linearly to 0 at this many global agent steps; 0 = constant lr
     entropy_anneal_steps: int = 0  # entropy_coef falls linearly to 0 at this many global steps; 0 = constant
+    short_game_slots: int = 0  # env slots 0..K-1 play cut games (the agents' business; here to place the next)
+    greedy_slots: int = 0  # env slots K..K+G-1 act greedily (argmax, mu = 1); see batch_losses
+
+    def greedy_slot_ids(self) -> range:
+        """The env slots that act greedily: the ``greedy_slots`` after the ``short_game_slots``."""
+        return range(self.short_game_slots, self.short_game_slots + self.greedy_slots)
 
     @classmethod
     def from_args(cls, args) -> "Ga3cSettings":
@@ -45,6 +51,7 @@ class Ga3cSettings:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.lr_anneal_steps >= 0, f"lr_anneal_steps must be >= 0, got {self.lr_anneal_steps}"),
             (self.entropy_anneal_steps >= 0, f"entropy_anneal_steps must be >= 0, got {self.entropy_anneal_steps}"),
+            (self.greedy_slots >= 0, f"greedy_slots must be >= 0, got {self.greedy_slots}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
             (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "
                                                f"{self.compute_precision!r}"),

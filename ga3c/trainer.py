@@ -68,6 +68,7 @@ class Batch:
     cx: torch.Tensor
     replay: torch.Tensor
     acts: list[torch.Tensor] | None = None
+    greedy: torch.Tensor | None = None  # (S,) bool: the steps of --greedy-slots segments; None when there are none
 
     @property
     def num_segments(self) -> int:
@@ -109,6 +110,8 @@ def assemble(segments: list[Segment], device: torch.device | str = "cpu", *, ver
         hx=torch.cat([s.state[0] for s in segments]).to(device),
         cx=torch.cat([s.state[1] for s in segments]).to(device),
         replay=replay.to(device), acts=acts,
+        greedy=(torch.cat([torch.full((len(s),), s.greedy, dtype=torch.bool) for s in segments]).to(device)
+                if any(s.greedy for s in segments) else None),
     )
 
 
@@ -152,13 +155,13 @@ def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Te
 
 def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings,
                entropy_coef: float | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
-    """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set); ``entropy_coef``:
-    the entropy bonus weight (default ``settings.entropy_coef``)."""
+    """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set or a segment is a
+    greedy slot's); ``entropy_coef``: the entropy bonus weight (default ``settings.entropy_coef``)."""
     values, logits = batched_unroll(model, batch)
     return batched_a3c_loss(logits, values, batch.actions, batch.rewards, batch.bootstrap, batch.lengths,
                             mu=batch.mu, is_clip=settings.is_clip, gamma=settings.gamma, tau=settings.tau,
                             entropy_coef=settings.entropy_coef if entropy_coef is None else entropy_coef,
-                            value_coef=settings.value_coef)
+                            value_coef=settings.value_coef, greedy=batch.greedy)
 
 
 @dataclass

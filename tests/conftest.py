@@ -83,7 +83,8 @@ def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy
             values.append(v.view(1))
             logits.append(lg)
         loss = segment_loss(torch.cat(logits), torch.cat(values), s.actions, s.rewards, s.bootstrap, mu=s.mu,
-                            is_clip=is_clip, gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef)
+                            is_clip=is_clip, gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef,
+                            greedy=s.greedy)
         loss.total.backward()
         total += loss.total.item()
     return total

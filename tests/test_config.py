@@ -200,6 +200,46 @@ def test_short_game_flags_are_checked(argv, want):
     assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--agents", "2", "--envs-per-agent", "4", "--greedy-slots", "7"], []),
+    (["--agents", "2", "--envs-per-agent", "4", "--greedy-slots", "8"],
+     ["--greedy-slots 8 leave none of the 8 env slots of --agents 2 x --envs-per-agent 4 for sampled whole games; "
+      "give at most 7 in all"]),
+    (["--agents", "2", "--envs-per-agent", "4", "--greedy-slots", "2", "--short-game-slots", "6"],
+     ["--greedy-slots 2 and --short-game-slots 6 leave none of the 8 env slots of --agents 2 x --envs-per-agent 4 "
+      "for sampled whole games; give at most 7 in all"]),
+    (["--agents", "2", "--envs-per-agent", "4", "--greedy-slots", "2", "--dynamic", "--short-game-slots", "2"],
+     ["--greedy-slots 2 and --short-game-slots 2 leave none of the 4 env slots of --envs-per-agent 4 (--dynamic may "
+      "leave one agent) for sampled whole games; give at most 3 in all"]),
+    (["--greedy-slots=-1"], ["--greedy-slots must be >= 0 (0 = none), got -1"]),
+    (["--agents", "1", "--envs-per-agent", "4", "--greedy-slots", "1", "--train-envs", "PongNoFrameskip-v4",
+      "ALE/Pong-v5"], []),  # slot 0 plays v4 greedily, slot 2 plays it sampled
+    (["--agents", "1", "--envs-per-agent", "2", "--greedy-slots", "1", "--train-envs", "PongNoFrameskip-v4",
+      "ALE/Pong-v5"],
+     ["--greedy-slots 1: PongNoFrameskip-v4 (--train-envs) would have no sampled whole games in the 2 env slots of "
+      "--agents 1 x --envs-per-agent 2; give fewer, or list it again in --train-envs"]),
+    (["--mode", "a3g", "--greedy-slots", "1"], ["--greedy-slots: only GA3C mode has it"])])
+def test_greedy_slots_are_checked(argv, want):
+    errors = validate(parse(*argv))
+    assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
+
+
+def test_the_start_up_line_names_the_greedy_slots_and_the_factory_leaves_their_games_out():
+    from config import greedy_slots_line
+    from ga3c.agent import AtariEnvFactory
+
+    assert greedy_slots_line(parse()) is None
+    a = parse("--agents", "2", "--envs-per-agent", "8", "--short-game-slots", "2", "--greedy-slots", "2")
+    assert validate(a) == [] and greedy_slots_line(a) == (
+        "env slots 2-3 of 16 act greedily, as the monitor does (--greedy-slots): policy-gradient terms weighted by "
+        "pi(a), games not counted as learner games")
+    f = AtariEnvFactory.for_args(a)
+    assert [f.counts_games(s) for s in range(6)] == [False, False, False, False, True, True]
+    assert [f.max_length_of(s) for s in range(5)] == [150, 150, 10000, 10000, 10000]
+    from ga3c.settings import Ga3cSettings
+    assert list(Ga3cSettings.from_args(a).greedy_slot_ids()) == [2, 3]
+
+
 def test_the_start_up_line_names_the_short_game_slots():
     from config import short_games_line
 

@@ -109,6 +109,21 @@ def test_short_game_slots_in_a_run_are_logged_and_left_out_of_the_learner_games(
     assert ckpt["ga3c_episodes"] == len(lengths) and ckpt["config"]["short_game_slots"] == 1
 
 
+def test_greedy_slots_in_a_run_are_logged_trained_on_and_left_out_of_the_learner_games(tmp_path):
+    """``--greedy-slots 1`` after ``--short-game-slots 1`` (4 env slots): the start-up log names slot 1, the run
+    trains and ends, the checkpoint keeps the flag, and the games it counts are results.txt's (which slots count is
+    ``AtariEnvFactory.counts_games``, tested in test_config.py)."""
+    r = run_entry("main.py", *GA3C, *COMMON, "3", "--short-game-slots", "1", "--short-game-length", "10",
+                  "--greedy-slots", "1", *dirs(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("env slot 1 of 4 acts greedily, as the monitor does (--greedy-slots): policy-gradient terms weighted by "
+            "pi(a), games not counted as learner games") in r.stdout
+    results = (tmp_path / "logs" / "results.txt").read_text().splitlines()
+    ckpt = torch.load(tmp_path / "models" / f"{ENV_ID}.ckpt", weights_only=True)
+    assert len(results) >= 3 and ckpt["ga3c_episodes"] == len(results) and ckpt["config"]["greedy_slots"] == 1
+    assert ckpt["ga3c_updates"] >= 1
+
+
 def ga3c_fault_args(tmp_path, *extra):
     return [*GA3C_RUN, "--hidden-size", "32", "--env-config", str(ROOT / "config.json"), "--max-steps", "0",
             "--max-episode-length", "300", "--test-every-steps", "2000", "--checkpoint-every-seconds", "0.5",

@@ -21,14 +21,42 @@ def close(a, b):
     return torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def make(model, n, *, num_steps=5, predict_batch=None, greedy=False, save_activations=False):
+def make(model, n, *, num_steps=5, predict_batch=None, greedy=False, save_activations=False, greedy_slots=()):
     buffers = EnvSlots(n)
     states = SlotStates(n, model.hidden_size)
     segments = []
     counters = Ga3cCounters(1, 1, 1)
     pred = Predictor(model, buffers, range(n), states, num_steps=num_steps, predict_batch=predict_batch or n,
-                     counters=counters, sink=segments.append, greedy=greedy, save_activations=save_activations)
+                     counters=counters, sink=segments.append, greedy=greedy, save_activations=save_activations,
+                     greedy_slots=greedy_slots)
     return buffers, states, pred, segments, counters
+
+
+def test_greedy_slots_take_the_argmax_with_mu_1_and_the_others_sample():
+    """--greedy-slots 2 after 1 short slot: slots 1 and 2 answer the argmax of their logits with mu = 1, and their
+    segments say greedy; the other slots sample (over 30 rounds they take other actions than the argmax) with mu
+    their action's probability."""
+    torch.manual_seed(3)
+    model = A3Clstm(1, A, H)
+    n = 5
+    buffers, _, pred, segments, _ = make(model, n, num_steps=3, greedy_slots=range(1, 3))
+    g = torch.Generator().manual_seed(4)
+    not_argmax = 0
+    for r in range(30):
+        for s in range(n):
+            buffers.submit(s, torch.randn(1, 80, 80, generator=g), episode_start=r == 0, reward=0.0)
+        out = pred.step()
+        for j, s in enumerate(out.slots.tolist()):
+            a, best = int(out.actions[j]), int(out.logits[j].argmax())
+            p = F.softmax(out.logits[j], 0)[a].item()
+            if s in (1, 2):
+                assert a == best and buffers.mu[s].item() == 1.0, (r, s)
+            else:
+                assert buffers.mu[s].item() == pytest.approx(p, rel=1e-4)
+                not_argmax += a != best
+    assert not_argmax > 10  # a near-uniform policy: the sampled slots mostly leave the argmax
+    assert segments and all(seg.greedy == (seg.slot in (1, 2)) for seg in segments)
+    assert all(bool((seg.mu == 1.0).all()) for seg in segments if seg.greedy)
 
 
 def test_a_batched_step_equals_stepping_each_env_alone():

@@ -83,19 +83,41 @@ def test_segment_loss_without_weights_is_the_repos_a3c_loss_and_weights_clip():
     assert torch.allclose(w, t(1.5, 0.5, 1.5))  # 2 clipped to 1.5, 0.5 kept, mu = 0 gives the clip
 
 
-def random_segments(lengths, ends, seed=0):
+def test_a_greedy_segments_policy_term_is_weighted_by_pi_of_its_actions():
+    """--greedy-slots: mu = 1 recorded, so the policy-gradient term is -sum_i pi(a_i) log pi(a_i) A_i (pi
+    detached), with or without is_clip (pi/1 never exceeds a clip of 1 or more; a clip below 1 is raised to 1);
+    the value and entropy terms are the unweighted ones."""
+    g = torch.Generator().manual_seed(2)
+    logits, values = torch.randn(4, A, generator=g), torch.randn(4, generator=g)
+    actions, rewards = torch.tensor([0, 3, 5, 1]), t(0, 1, -1, 0)
+    ref = a3c_loss(logits, values, actions, rewards, 0.5, **KW)
+    log_pi = torch.log_softmax(logits, 1).gather(1, actions.view(-1, 1)).squeeze(1)
+    adv = gae_advantages(rewards, values, 0.5, KW["gamma"], KW["tau"])
+    want = -(log_pi.exp() * log_pi * adv).sum()
+    for is_clip in (None, 0.5, 10.0):
+        got = segment_loss(logits, values, actions, rewards, 0.5, mu=torch.ones(4), is_clip=is_clip, greedy=True,
+                           **KW)
+        assert got.policy.item() == pytest.approx(want.item(), rel=1e-5), is_clip
+        assert got.value.item() == pytest.approx(ref.value.item()) and got.entropy.item() == pytest.approx(
+            ref.entropy.item())
+        assert got.policy.item() != pytest.approx(ref.policy.item(), rel=1e-2)  # the weights matter here
+
+
+def random_segments(lengths, ends, seed=0, greedy=()):
     """Segments with random frames, non-zero initial states, behaviour probabilities and versions; ``ends``:
-    'cut' (bootstrap V), 'term' (bootstrap 0), 'trunc' (bootstrap V)."""
+    'cut' (bootstrap V), 'term' (bootstrap 0), 'trunc' (bootstrap V); the segments at the indices in ``greedy``
+    are greedy slots' (mu = 1)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (n, end) in enumerate(zip(lengths, ends)):
-        out.append(Segment(
+        seg = Segment(
             slot=i, frames=torch.randn(n, 1, 80, 80, generator=g),  # normalised frames
             actions=torch.randint(0, A, (n,), generator=g), rewards=torch.randint(-1, 2, (n,), generator=g).float(),
             mu=torch.rand(n, generator=g) * 0.3 + 0.02, versions=torch.randint(0, 4, (n,), generator=g),
             state=(torch.randn(1, H, generator=g) * 0.3, torch.randn(1, H, generator=g) * 0.3),
             terminated=end == "term", truncated=end == "trunc",
-            bootstrap=0.0 if end == "term" else float(torch.randn(1, generator=g))))
+            bootstrap=0.0 if end == "term" else float(torch.randn(1, generator=g)))
+        out.append(dataclasses.replace(seg, mu=torch.ones(n), greedy=True) if i in greedy else seg)
     return out
 
 
@@ -109,11 +131,11 @@ def per_segment_reference(model, segments, is_clip):
     return total, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("is_clip", [None, 1.2])
-def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip):
+@pytest.mark.parametrize("is_clip,greedy", [(None, ()), (1.2, ()), (None, (1, 3)), (1.2, (0, 2))])
+def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip, greedy):
     torch.manual_seed(0)
     ref = A3Clstm(1, A, H)
-    segments = random_segments(LENGTHS, ENDS)
+    segments = random_segments(LENGTHS, ENDS, greedy=greedy)
     ref_total, ref_grads = per_segment_reference(ref, segments, is_clip)
     fast = A3Clstm(1, A, H).channels_last()
     fast.load_state_dict(ref.state_dict())
@@ -124,6 +146,17 @@ def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip):
     assert loss.total.item() == pytest.approx(ref_total, rel=1e-4)
     if is_clip is not None:
         assert (w == is_clip).any() and (w < is_clip).any()  # some weights clipped, some not
+    if greedy:  # pi(a) on the greedy steps, 1 (or the clipped ratio) on the others
+        g_steps = batch.greedy
+        assert g_steps is not None and int(g_steps.sum()) == sum(LENGTHS[i] for i in greedy)
+        with torch.no_grad():
+            _, logits = batched_unroll(fast, batch)
+        pi = torch.softmax(logits, 1).gather(1, batch.actions.view(-1, 1)).squeeze(1)
+        assert torch.allclose(w[g_steps], pi[g_steps], rtol=1e-5) and bool((w[g_steps] < 1).all())
+        if is_clip is None:
+            assert bool((w[~g_steps] == 1).all())
+    else:
+        assert batch.greedy is None and (w is None) == (is_clip is None)
     for (name, p), g in zip(fast.named_parameters(), ref_grads):
         assert close(p.grad, g), name
 
