@@ -172,7 +172,7 @@ class UpdateResult:
     segments: int
     lag_mean: float
     lag_max: int
-    weight_mean: float | None  # mean importance weight (None without is_clip)
+    weight_mean: float | None  # mean importance weight (None without is_clip and greedy slots' steps)
 
 
 class Trainer:
