@@ -155,12 +155,12 @@ class Predictor:
             actions = logits.argmax(1)
         else:
             actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        g = self.greedy_mask[slots].to(actions.device) if self.greedy_slots else None
+        if g is not None and bool(g.any()):
+            actions = torch.where(g, logits.argmax(1), actions)
         mu = probs.gather(1, actions.unsqueeze(1)).squeeze(1)
-        if self.greedy_slots:
-            g = self.greedy_mask[slots].to(actions.device)
-            if bool(g.any()):
-                actions = torch.where(g, logits.argmax(1), actions)
-                mu = torch.where(g, torch.ones_like(mu), probs.gather(1, actions.unsqueeze(1)).squeeze(1))
+        if g is not None:
+            mu = mu.masked_fill(g, 1.0)
         self.buffers.respond(slots, req["seq"], actions, mu, version)
         self.predictions += slots.numel()
         if self.counters is not None:
