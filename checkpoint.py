@@ -4,8 +4,9 @@ Two files per run in ``--save-model-dir``:
 - ``<env>.dat``: the drop-in model, a bare state_dict of the 16 upstream keys as CPU tensors (upstream format).
 - ``<env>.ckpt``: the full checkpoint, a dict with ``model``, ``optimizer`` (or None without a shared optimizer),
   ``optimizer_name``, ``env``, ``global_steps``, ``best_score``, ``norm_stats``, ``monitor`` and ``recent_scores``
-  (the monitor's counters and last scores), ``elapsed_seconds``, ``config`` and ``format``/``version``, and a
-  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``).
+  (the monitor's counters and last scores), ``elapsed_seconds``, ``config`` and ``format``/``version``, a
+  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``), and with ``--ema-steps`` ``average_model``, the
+  moving average of the weights that the monitor plays and the ``.dat`` holds (``averaging.py``).
 
 Both are written to a temporary file in the same folder and renamed over the old one, so a crash never leaves a
 half-written file in their place; a temporary file left by a process killed mid-write is removed by the next run
@@ -244,6 +245,14 @@ def state_dict_of(obj: dict, path: str | Path) -> dict:
     return sd
 
 
+def played_state_dict(obj: dict, path: str | Path) -> dict:
+    """The weights a file's run played and shipped: a ``.ckpt``'s ``average_model`` where it has one (a run with
+    ``--ema-steps``, whose ``.dat`` holds the same average), else its ``model``; a ``.dat`` itself."""
+    if is_checkpoint(obj) and obj.get("average_model") is not None:
+        return state_dict_of(obj["average_model"], path)
+    return state_dict_of(obj, path)
+
+
 def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     """Raise ``ModelFileError`` unless every field a resume reads has the type and shape it needs (the model
     itself is checked by ``state_dict_of`` and ``check_state_dict``)."""
@@ -314,6 +323,12 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     name = ckpt.get("optimizer_name")
     if name is not None and not isinstance(name, str):
         bad("optimizer_name", "is not a name")
+    if "ema_steps" in config and not count(config["ema_steps"]):
+        bad("config.ema_steps", "is not a step count")
+    average = ckpt.get("average_model")
+    if average is not None and not (isinstance(average, dict) and all(
+            isinstance(k, str) and torch.is_tensor(v) for k, v in average.items())):
+        bad("average_model", "is not a state_dict of tensors")
 
 
 def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | Path, env_id: str) -> None:

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-window", type=int, default=10, help="games in the monitor's mean (default: %(default)s)")
     p.add_argument("--max-grad-norm", type=float, default=0.0,
                    help="clip each update's gradient to this L2 norm; 0 = off, upstream (default: %(default)s)")
+    p.add_argument("--ema-steps", type=int, default=0, metavar="N",
+                   help="the monitor plays, and <env>.dat holds, an exponential moving average of the weights with a "
+                        "time constant of N global agent steps (updated after every optimizer step; training goes "
+                        "on with the latest weights); 0 = the latest weights, upstream (default: %(default)s)")
     p.add_argument("--test-every-steps", type=int, default=20000,
                    help="the monitor starts a test game every this many global steps (default: %(default)s)")
     p.add_argument("--test-every-seconds", type=float, default=0,
@@ -384,6 +388,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.max_seconds >= 0, f"--max-seconds must be >= 0 (0 = no limit), got {args.max_seconds}"),
         (args.score_window >= 1, f"--score-window must be >= 1, got {args.score_window}"),
         (args.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = off), got {args.max_grad_norm}"),
+        (args.ema_steps >= 0, f"--ema-steps must be >= 0 (0 = off), got {args.ema_steps}"),
         (args.test_every_steps >= 0, f"--test-every-steps must be >= 0, got {args.test_every_steps}"),
         (args.test_every_seconds >= 0, f"--test-every-seconds must be >= 0, got {args.test_every_seconds}"),
         (args.status_every_seconds > 0, f"--status-every-seconds must be > 0, got {args.status_every_seconds}"),
@@ -635,6 +640,9 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
         if getattr(args, flag[2:].replace("-", "_")):
             errors.append(f"{flag} needs the global step count in every worker, which Ray nodes do not have: "
                           f"drop {flag} or --ray-address")
+    if args.ema_steps:
+        errors.append("--ema-steps averages the weights where the optimizer steps, which on Ray is the parameter "
+                      "server, not built for it: drop --ema-steps or --ray-address")
     if args.mode == "ga3c":
         errors.append("--ray-address runs A3G nodes; GA3C mode runs on one machine (drop --mode ga3c or "
                       "--ray-address)")

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import (ModelFileError, card_of_this_file, check_state_dict, file_sha256, is_checkpoint, model_path,
-                        read_card, read_weights, state_dict_of)
+                        played_state_dict, read_card, read_weights)
 from cli import Parser
 from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
 from environment import atari_env, load_env_config, num_actions, protocol, resolve_env_id
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             n_actions = num_actions(args.env)
             before = file_sha256(path)
             obj = read_weights(path)
-            state_dict = state_dict_of(obj, path)
+            state_dict = played_state_dict(obj, path)
             check_state_dict(state_dict, n_actions, args.hidden_size, path, args.env)
             model_sha256 = file_sha256(path)
             if model_sha256 != before:
@@ -537,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.random_actions:
         via = (f" ({path.with_suffix('.json')} lists {args.env} under default_for)"
                if args.model_file is None and path != model_path(args.load_model_dir, args.env) else "")
+        if is_checkpoint(obj) and obj.get("average_model") is not None:
+            via += " (its moving average of the weights, --ema-steps, as the run's .dat holds it)"
         print(f"{PROG}: model {path}{via}", flush=True)
 
     n = args.num_episodes

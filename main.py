@@ -43,6 +43,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from a3g.run import A3gRun, shutdown  # noqa: E402
+from averaging import average_line, make_average  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
                         read_weights, remove_stale_temp_files, state_dict_of)
@@ -275,6 +276,29 @@ def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
     return f"the checkpoint was trained with --train-batch {was}; this run goes on with --train-batch {args.train_batch}"
 
 
+def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | None, resume_path: Path | None,
+                  log) -> A3Clstm | None:
+    """The moving average of the weights (``--ema-steps``; None without it), in shared memory: a resumed
+    checkpoint's own, else the weights the run starts from. Logs which, and that a checkpoint's average goes unused
+    without the flag."""
+    saved = resume_ckpt.get("average_model") if resume_ckpt is not None else None
+    if not args.ema_steps:
+        if saved is not None:
+            log.info("the checkpoint's moving average of the weights is not resumed (no --ema-steps): the monitor "
+                     "plays, and the .dat holds, the latest weights")
+        return None
+    average = make_average(shared_model)
+    if saved is not None:
+        average.load_state_dict(saved, strict=True)
+        was = (resume_ckpt.get("config") or {}).get("ema_steps")
+        log.info("resumed the moving average of the weights"
+                 + (f" (the command line changes --ema-steps {was:,} -> {args.ema_steps:,})"
+                    if was and was != args.ema_steps else ""))
+    elif resume_path is not None:
+        log.info(f"the moving average of the weights starts at {resume_path}'s weights")
+    return average
+
+
 def main(argv: list[str] | None = None) -> int:
     stop = globals().get("STOP") or lifeline.StopSignals().install()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -311,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             check_state_dict(resume_sd, n_actions, args.hidden_size, resume_path, args.env)
             if is_checkpoint(obj):
                 check_checkpoint(obj, resume_path)
+                if obj.get("average_model") is not None:
+                    check_state_dict(obj["average_model"], n_actions, args.hidden_size, resume_path, args.env)
         except ModelFileError as e:
             fail([str(e)])
         resume_ckpt = obj if is_checkpoint(obj) else None
@@ -419,6 +445,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     else:
         mode = A3gRun(args, shared_model, optimizer, log)
     run = mode.run
+    mode.average_model = start_average(args, shared_model, resume_ckpt, resume_path, log)
     elapsed_offset = 0.0
     if resume_ckpt is not None:
         mode.restore(resume_ckpt)
@@ -468,7 +495,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (train_envs_line(args), short_games_line(args), greedy_slots_line(args), see_skipped_line(args)):
+    for line in (train_envs_line(args), short_games_line(args), greedy_slots_line(args), see_skipped_line(args),
+                 average_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),

@@ -28,9 +28,10 @@ from run_state import RunState
 
 
 def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None, run: RunState,
-                    elapsed: float, extra: dict | None = None) -> Path:
+                    elapsed: float, extra: dict | None = None, average_model: A3Clstm | None = None) -> Path:
     """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot.
-    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's."""
+    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's. ``average_model``:
+    the moving average of the weights (``--ema-steps``), saved as ``average_model``."""
     path = checkpoint_path(args.save_model_dir, args.env)
     ckpt = {
         "format": CHECKPOINT_FORMAT,
@@ -45,6 +46,8 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.opt
         **run.snapshot(),
         **(extra or {}),
     }
+    if average_model is not None:
+        ckpt["average_model"] = cpu_state_dict(average_model)
     atomic_save(ckpt, path)
     return path
 
@@ -58,6 +61,13 @@ class Mode(Protocol):
     optimizer: torch.optim.Optimizer | None  # the shared optimizer (None with --no-shared-optimizer)
     run: RunState  # the flags, global steps, monitor statistics and error slots shared with the processes
     failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
+    average_model: A3Clstm | None = None  # --ema-steps: the moving average of the weights, in shared memory
+
+    @property
+    def played_model(self) -> A3Clstm:
+        """The weights the monitor plays and the ``.dat`` holds: the moving average with ``--ema-steps``, else the
+        shared weights themselves."""
+        return self.shared_model if self.average_model is None else self.average_model
 
     @abstractmethod
     def describe(self) -> str:
@@ -97,9 +107,10 @@ class Mode(Protocol):
         """Write the checkpoint (``save_checkpoint`` with ``snapshot()``) and, when ``final`` and not
         ``--save-max``, the ``.dat``, from this process; returns the checkpoint's path. Raises
         ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's instead."""
-        path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot())
+        path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot(),
+                               self.average_model)
         if final and not self.args.save_max:
-            atomic_save(cpu_state_dict(self.shared_model), model_path(self.args.save_model_dir, self.args.env))
+            atomic_save(cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env))
         return path
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""The monitor: plays greedy whole games with the latest shared weights, logs them, and saves the model.
+"""The monitor: plays greedy whole games with the latest shared weights (or, with ``--ema-steps``, their moving
+average, which is then the model it is given), logs them, and saves the model it played.
 
 Cadence: a game starts ``--test-every-steps`` global agent steps after the start of the last one (or
 ``--test-every-seconds`` after its end, whichever comes first), so on a small machine it costs a few percent of the

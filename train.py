@@ -13,6 +13,7 @@ from model import A3Clstm
 from player_util import Agent, GradientHandoff, Rollout, rollout_loss, sync_weights
 from precision import compute_dtype
 from run_state import RunState
+from averaging import update_average
 from schedules import linear_anneal
 from shared_optim import make_optimizer, set_lr
 from utils import describe_failure, end_child_process, setup_child_process, use_device, worker_device
@@ -41,10 +42,12 @@ def update(model: A3Clstm, rollout: Rollout, handoff: GradientHandoff, optimizer
 
 
 def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
-               run: RunState, device: torch.device, max_updates: int | None = None) -> int:
+               run: RunState, device: torch.device, max_updates: int | None = None,
+               average_model: A3Clstm | None = None) -> int:
     """The worker loop; returns the number of updates made. Runs in-process too (tests, one-process debugging).
 
     ``optimizer`` is the shared optimizer, or None for a private one (``--no-shared-optimizer``).
+    ``average_model`` (``--ema-steps``): blended with the shared weights after every step (``averaging``).
     Stops when ``run.stop`` is set, when the global step count reaches ``--max-steps``, or after ``max_updates``.
     """
     torch.manual_seed(args.seed + rank)
@@ -80,6 +83,8 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
         loss, grad_norm = update(model, rollout, handoff, optimizer, args, entropy_coef)
         updates += 1
         steps = rollout.actions.shape[0]
+        if average_model is not None:
+            update_average(average_model, shared_model, steps, args.ema_steps)
         run.add_steps(rank, steps)
         run.record_update(rank, steps, loss.policy.item() / steps, loss.value.item() / steps,
                           loss.entropy.item() / steps, grad_norm)
@@ -89,13 +94,13 @@ def run_worker(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: tor
 
 
 def train(rank: int, args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
-          run: RunState) -> None:
+          run: RunState, average_model: A3Clstm | None = None) -> None:
     """Process entry point of worker ``rank``: set the process up, run the loop, report any error."""
     setup_child_process(f"worker {rank}")
     device = worker_device(args.gpu_ids, rank)
     try:
         use_device(device)
-        run_worker(rank, args, shared_model, optimizer, run, device)
+        run_worker(rank, args, shared_model, optimizer, run, device, average_model=average_model)
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(rank, f"worker {rank}", describe_failure(e))

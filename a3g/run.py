@@ -4,7 +4,8 @@ Processes (spawned by the main process, bound to it by ``lifeline``, stopped thr
 
 - ``worker r`` for r < ``--workers``: ``train.train``, playing its own environment with its own model copy (on
   the CPU, or on GPU ``gpu_ids[r % n]``) and updating the shared model;
-- ``monitor``: ``test.test``, greedy test games with the shared weights.
+- ``monitor``: ``test.test``, greedy test games with the shared weights (their moving average with
+  ``--ema-steps``).
 
 Process slots of ``run_state.RunState``: worker r -> r, the monitor last. ``launch`` starts them (a Ray node starts
 its workers with it too, without the monitor); ``shutdown`` stops any mode's processes in bounded time;
@@ -28,15 +29,20 @@ JOIN_SECONDS = 8.0  # stopped processes get this long to exit; then all are term
 
 
 def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed_offset: float = 0.0,
-           monitor: bool = True) -> list[tuple[str, mp.Process]]:
+           monitor: bool = True, average_model: A3Clstm | None = None) -> list[tuple[str, mp.Process]]:
     """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes.
+
+    ``average_model`` (``--ema-steps``): the moving average of the weights, which each worker updates after its
+    step and the monitor plays instead of the shared weights.
 
     They start with SIGINT/SIGTERM blocked and bound to this process (``lifeline``); a stop signal that arrives
     meanwhile stays pending here and is handled as soon as the block ends, after the last start.
     """
     lifeline.mark_children()
-    todo = [("monitor", test, (args, shared_model, run, elapsed_offset))] if monitor else []
-    todo += [(f"worker {rank}", train, (rank, args, shared_model, optimizer, run)) for rank in range(args.workers)]
+    played = shared_model if average_model is None else average_model
+    todo = [("monitor", test, (args, played, run, elapsed_offset))] if monitor else []
+    todo += [(f"worker {rank}", train, (rank, args, shared_model, optimizer, run, average_model))
+             for rank in range(args.workers)]
     procs = []
     for role, target, target_args in todo:
         p = ctx.Process(target=target, args=target_args, name=role)
@@ -73,7 +79,8 @@ class A3gRun(Mode):
         return a3g_slot(self.run, role)
 
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
-        self.procs = launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset)
+        self.procs = launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset,
+                            average_model=self.average_model)
         return self.procs
 
     def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:

@@ -4,7 +4,8 @@ Processes (all spawned by the main process, bound to it by ``lifeline``, stopped
 
 - ``ga3c server``: predictor and trainer threads over the shared model (``server.server_process``);
 - ``ga3c agent a`` for a < NA: steps env slots ``a*K .. a*K+K-1`` (K = ``--envs-per-agent``);
-- ``monitor``: the same greedy test games as A3G mode (``test.test``), on the same shared model.
+- ``monitor``: the same greedy test games as A3G mode (``test.test``), on the same shared model (or its moving
+  average, ``--ema-steps``, which the server's trainers update).
 
 Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
 rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
@@ -118,10 +119,10 @@ class Ga3cRun(Mode):
         self.console.restart_clock(time.time())
         lifeline.mark_children()
         self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
-                                                     self.buffers, self.counters, self.run))
+                                                     self.buffers, self.counters, self.run, self.average_model))
         for a in range(self.args.agents):
             self._start_agent(a)
-        self._start("monitor", test, (self.args, self.shared_model, self.run, elapsed_offset))
+        self._start("monitor", test, (self.args, self.played_model, self.run, elapsed_offset))
         self.counters.targets[0], self.counters.targets[1] = self.args.trainers, self.args.predictors
         return self.procs
 

@@ -77,8 +77,10 @@ class Server:
     def __init__(self, shared_model: A3Clstm, optimizer: torch.optim.Optimizer, buffers: EnvSlots, counters,
                  settings: Ga3cSettings, stop, *, num_predictors: int = 1, num_trainers: int = 1,
                  device: torch.device | str = "cpu", trainer_devices: list | None = None,
-                 predictor_devices: list | None = None, sync_every: int = 1, seed: int = 0):
+                 predictor_devices: list | None = None, sync_every: int = 1, seed: int = 0,
+                 average_model: A3Clstm | None = None):
         self.shared_model = shared_model
+        self.average_model = average_model
         self.optimizer = optimizer
         self.buffers = buffers
         self.counters = counters
@@ -141,7 +143,8 @@ class Server:
     def _add_trainer(self) -> Trainer:
         t = len(self.trainers)
         trainer = Trainer(self.shared_model, self.optimizer, self.settings, index=t, counters=self.counters,
-                          device=self.trainer_devices[t % len(self.trainer_devices)], step_lock=self.step_lock)
+                          device=self.trainer_devices[t % len(self.trainer_devices)], step_lock=self.step_lock,
+                          average_model=self.average_model)
         self.trainers.append(trainer)
         return trainer
 
@@ -231,9 +234,11 @@ class Server:
         return self.join(timeout)
 
 
-def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters, stop) -> Server:
+def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters, stop,
+                 average_model: A3Clstm | None = None) -> Server:
     """The server of a run with ``args`` (not started): on the devices of ``--gpu-ids``, with the run's shared
-    ``optimizer``, or a private one built here when it is None (``--no-shared-optimizer``)."""
+    ``optimizer``, or a private one built here when it is None (``--no-shared-optimizer``); its trainers update
+    ``average_model`` (``--ema-steps``) after every step."""
     from shared_optim import make_optimizer
     trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
     if optimizer is None:
@@ -241,11 +246,12 @@ def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: Env
                                    eps=args.optimizer_eps)
     return Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), stop,
                   num_predictors=args.predictors, num_trainers=args.trainers, trainer_devices=trainer_devices,
-                  predictor_devices=predictor_devices, sync_every=args.sync_every, seed=args.seed)
+                  predictor_devices=predictor_devices, sync_every=args.sync_every, seed=args.seed,
+                  average_model=average_model)
 
 
 def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters,
-                   run) -> None:
+                   run, average_model: A3Clstm | None = None) -> None:
     """Process entry point of GA3C's server: predictors and trainers over ``shared_model`` until ``run.stop``.
 
     ``optimizer`` is the run's shared optimizer, or None for a private one (``--no-shared-optimizer``). With
@@ -264,7 +270,7 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     try:
         use_device(ga3c_devices(args.gpu_ids)[0][0])
         torch.manual_seed(args.seed)
-        server = build_server(args, shared_model, optimizer, buffers, counters, run.stop).start()
+        server = build_server(args, shared_model, optimizer, buffers, counters, run.stop, average_model).start()
         run.mark_ready(slot)
         while not run.stop.is_set() and not server.halt.is_set():
             if args.dynamic:

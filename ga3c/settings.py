@@ -27,6 +27,7 @@ class Ga3cSettings:
     entropy_anneal_steps: int = 0  # entropy_coef falls linearly to 0 at this many global steps; 0 = constant
     short_game_slots: int = 0  # env slots 0..K-1 play cut games (the agents' business; here to place the next)
     greedy_slots: int = 0  # env slots K..K+G-1 act greedily (argmax, mu = 1); see batch_losses
+    ema_steps: int = 0  # the time constant of the weights' moving average in agent steps (averaging.py); 0 = none
 
     def greedy_slot_ids(self) -> range:
         """The env slots that act greedily: the ``greedy_slots`` after the ``short_game_slots``."""
@@ -52,6 +53,7 @@ class Ga3cSettings:
             (self.lr_anneal_steps >= 0, f"lr_anneal_steps must be >= 0, got {self.lr_anneal_steps}"),
             (self.entropy_anneal_steps >= 0, f"entropy_anneal_steps must be >= 0, got {self.entropy_anneal_steps}"),
             (self.greedy_slots >= 0, f"greedy_slots must be >= 0, got {self.greedy_slots}"),
+            (self.ema_steps >= 0, f"ema_steps must be >= 0, got {self.ema_steps}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
             (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "
                                                f"{self.compute_precision!r}"),

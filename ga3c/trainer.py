@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from averaging import update_average
 from ga3c.batch_losses import batched_a3c_loss, flat_index, padded
 from ga3c.segment import ACT_FIELDS, Segment, cat_rows, conv_blocks
 from ga3c.settings import Ga3cSettings
@@ -180,11 +181,13 @@ class Trainer:
     from batches of ``settings.train_batch`` segments (see the module docstring).
 
     ``index`` is this trainer's slot in ``counters`` (``Ga3cCounters``; its ``version`` is the model version).
+    ``average_model`` (``--ema-steps``): blended with the shared weights after every step, under ``step_lock``
+    (``averaging``).
     """
 
     def __init__(self, shared_model: A3Clstm, optimizer: torch.optim.Optimizer, settings: Ga3cSettings, *,
                  index: int = 0, counters=None, device: torch.device | str = "cpu", step_lock=None,
-                 channels_last: bool = True):
+                 channels_last: bool = True, average_model: A3Clstm | None = None):
         self.shared = shared_model
         self.optimizer = optimizer
         self.settings = settings
@@ -199,6 +202,9 @@ class Trainer:
         self.model.train()
         sync_weights(self.model, shared_model)
         self.handoff = GradientHandoff(self.model, shared_model)
+        self.average = average_model
+        if average_model is not None and settings.ema_steps <= 0:
+            raise ValueError("an average model needs settings.ema_steps > 0")
         self.updates = 0
 
     def version(self) -> int:
@@ -212,7 +218,8 @@ class Trainer:
     def update(self, segments: list[Segment]) -> UpdateResult:
         """One optimizer step on the shared model from ``segments``: the gradient at the shared weights copied at
         the start (saved activations replayed only for the frames those weights acted on, see the module
-        docstring), handed over and stepped under ``step_lock``, where the version then moves."""
+        docstring), handed over and stepped under ``step_lock``, where the version then moves (and the moving
+        average, with ``average_model``, takes the new weights in)."""
         with self.step_lock:  # no other trainer's step between reading the version and copying its weights
             version = self.version()
             sync_weights(self.model, self.shared)
@@ -239,6 +246,8 @@ class Trainer:
                 lr = linear_anneal(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)
                 set_lr(self.optimizer, lr)
             self.optimizer.step()
+            if self.average is not None:
+                update_average(self.average, self.shared, n, self.settings.ema_steps)
             self.updates += 1
             if self.counters is not None:  # the version moves with the weights (see the module docstring)
                 self.counters.record_update(self.index, steps=n, segments=result.segments,

@@ -80,6 +80,15 @@ def test_optimizer_eps_defaults_to_upstreams_and_must_be_positive():
         assert validate(parse(f"--optimizer-eps={bad}")) == [f"--optimizer-eps must be > 0, got {float(bad)}"]
 
 
+def test_ema_steps_is_off_by_default_a_count_and_not_for_ray():
+    assert parse().ema_steps == 0 and validate(parse("--ema-steps", "20000")) == []
+    assert validate(parse("--mode", "a3g", "--ema-steps", "20000")) == []
+    assert validate(parse("--ema-steps", "-1")) == ["--ema-steps must be >= 0 (0 = off), got -1"]
+    errors = validate(parse("--ray-address", "local", "--ema-steps", "20000"))
+    assert errors == ["--ema-steps averages the weights where the optimizer steps, which on Ray is the parameter "
+                      "server, not built for it: drop --ema-steps or --ray-address"]
+
+
 def test_usage_errors_are_one_line(tmp_path):
     from conftest import run_entry
     for script, args in (("main.py", ["--workers", "many"]), ("gym_eval.py", ["--bogus"]), ("plot.py", [])):

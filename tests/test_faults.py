@@ -660,6 +660,8 @@ def broken_checkpoint(kind: str, path: Path) -> None:
         torch.save({**good, "version": 2, "a field of version 2": 1}, path)
     elif kind == "config-is-a-list":
         torch.save({**good, "config": ["x"]}, path)
+    elif kind == "average-of-another-model":  # --ema-steps's average, of a 64-unit model: main resumes it and
+        torch.save({**good, "average_model": A3Clstm(1, 6, 64).state_dict()}, path)  # gym_eval.py plays it
     elif kind == "config-values-of-another-type":
         torch.save({**good, "config": {"env": 5, "train_envs": 7, "lr_anneal_steps": "x"}}, path)
     elif kind == "elapsed-beyond-a-float":
@@ -707,7 +709,7 @@ def broken_file_case(tmp_path, entry: str, kind: str):
 
 
 @pytest.mark.parametrize("entry", ["main.py", "gym_eval.py"])
-@pytest.mark.parametrize("kind", ["no-model-key", "model-is-a-list"])
+@pytest.mark.parametrize("kind", ["no-model-key", "model-is-a-list", "average-of-another-model"])
 def test_broken_checkpoint_is_bad_input(tmp_path, entry, kind):
     broken_file_case(tmp_path, entry, kind)
 

@@ -36,10 +36,18 @@ def dirs(tmp_path):
     return ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models")]
 
 
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_other(tmp_path):
-    r = run_entry("main.py", *GA3C, *COMMON, "2", *dirs(tmp_path), "--tensorboard-logger", cwd=tmp_path)
+    """... with ``--ema-steps`` in the first two runs: the .dat is the moving average the checkpoint holds beside
+    the weights, either mode resumes it, and a run without the flag leaves it and ships the latest weights."""
+    r = run_entry("main.py", *GA3C, *COMMON, "2", *dirs(tmp_path), "--tensorboard-logger", "--ema-steps", "300",
+                  cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "in GA3C mode: 2 agents x 2 envs" in r.stdout and "reached --target-score -1000" in r.stdout
+    assert "a moving average of the weights with a time constant of 300 global steps (--ema-steps)" in r.stdout
     ckpt_path, dat = tmp_path / "models" / f"{ENV_ID}.ckpt", tmp_path / "models" / f"{ENV_ID}.dat"
     ckpt = torch.load(ckpt_path, weights_only=True)
     steps1, updates1 = ckpt["global_steps"], ckpt["ga3c_updates"]
@@ -47,6 +55,7 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     assert ckpt["norm_stats"].shape == (5, 3) and (ckpt["norm_stats"][:, 2] > 0).all()  # 4 env slots + monitor
     sd = torch.load(dat, weights_only=True)
     assert len(sd) == 16 and sd["actor_linear.weight"].shape == (6, 32)
+    assert same_weights(sd, ckpt["average_model"]) and not same_weights(sd, ckpt["model"])
     # GA3C's console line for every finished agent game, and the same games in results.txt
     lines = [m.group(0) for m in CONSOLE.finditer(r.stdout)]
     results = (tmp_path / "logs" / "results.txt").read_text().splitlines()
@@ -64,13 +73,17 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
 
     # A3G mode resumes the GA3C checkpoint: weights, optimizer statistics, steps, the monitor's games
     games1 = int(ckpt["monitor"][0])
-    r = run_entry("main.py", "--workers", "2", *COMMON, str(games1 + 2), *dirs(tmp_path), "--load", cwd=tmp_path)
+    r = run_entry("main.py", "--workers", "2", *COMMON, str(games1 + 2), *dirs(tmp_path), "--load",
+                  "--ema-steps", "300", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"at {steps1:,} global steps" in r.stdout and "resumed the Adam statistics" in r.stdout
     assert "the checkpoint was trained in GA3C mode; this run goes on in A3G mode\n" in r.stdout
+    assert "resumed the moving average of the weights\n" in r.stdout
     ckpt2 = torch.load(ckpt_path, weights_only=True)
     assert ckpt2["global_steps"] >= steps1 + 150 and ckpt2["norm_stats"].shape == (3, 3)
     assert ckpt2["config"]["mode"] == "a3g"
+    sd2 = torch.load(dat, weights_only=True)  # the workers moved the average on from the resumed one
+    assert same_weights(sd2, ckpt2["average_model"]) and not same_weights(sd2, ckpt["average_model"])
 
     # ... and GA3C mode resumes the A3G one (its update count starts again from the last GA3C one: 0 here is fine)
     games2 = int(ckpt2["monitor"][0])
@@ -78,8 +91,10 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"at {ckpt2['global_steps']:,} global steps" in r.stdout
     assert "the checkpoint was trained in A3G mode; this run goes on in GA3C mode (--mode a3g goes on" in r.stdout
+    assert "the checkpoint's moving average of the weights is not resumed (no --ema-steps)" in r.stdout
     ckpt3 = torch.load(ckpt_path, weights_only=True)
     assert ckpt3["global_steps"] >= ckpt2["global_steps"] + 150 and ckpt3["ga3c_updates"] > 11
+    assert "average_model" not in ckpt3 and same_weights(torch.load(dat, weights_only=True), ckpt3["model"])
     # the A3G checkpoint had no GA3C games: this run numbered its own from 1 and saved the count
     assert ckpt3["ga3c_episodes"] == len([m for m in CONSOLE.finditer(r.stdout)]) > 0
     results3 = (tmp_path / "logs" / "results.txt").read_text().splitlines()

@@ -23,9 +23,12 @@ weights must be far from 1, the trainer's mean weight the reference's, and the h
 reference's weighted one, far from the unweighted one. With ``--greedy-slots 1`` env slot 0 takes the argmax
 with mu = 1, and its segments' policy terms are weighted by pi(a) in the trainer and in the reference alike
 (again far from the unweighted gradient). This test fails when the fused Adam is handed the working
-copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr after one step).
+copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr after one step). With ``--ema-steps``
+the moving average the trainer keeps (``main.start_average``'s, as ``Ga3cRun`` hands it to the server) is, after
+every update, the previous one blended toward the new shared weights by ``1 - exp(-steps / N)``.
 """
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -36,6 +39,7 @@ from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
 from ga3c.run import Ga3cRun
 from ga3c.server import build_server
 from ga3c.settings import Ga3cSettings
+from main import start_average
 from model import A3Clstm
 from shared_optim import make_optimizer
 
@@ -71,7 +75,7 @@ CASES = [  # (optimizer, amsgrad, shared, extra flags)
     ("Adam", False, False, [R]), ("Adam", True, False, [R]), ("RMSprop", False, False, [R]),
     ("Adam", False, True, [R, "--max-grad-norm", "0.5"]),
     ("Adam", True, True, [R, "--is-clip", "1.0"]),
-    ("Adam", False, True, []),  # the default: every frame's convolutions run again
+    ("Adam", False, True, ["--ema-steps", "50"]),  # the default (every frame's convolutions run again), averaged
     ("RMSprop", False, True, ["--max-grad-norm", "0.5", "--is-clip", "10"]),
     # slot 0 acts greedily: its policy terms weighted by pi(a). Seed 3: with seeds 1 and 2 one conv4 max-pool window
     # (of 16,384) comes within 3e-7 of a tie at the third update, which the contiguous and the channels-last kernels
@@ -106,9 +110,12 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
     optimizer = (make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True)
                  if args.shared_optimizer else None)
     run = Ga3cRun(args, shared_model, optimizer, log=None)
+    run.average_model = start_average(args, shared_model, None, None, log=None)
+    assert (run.average_model is not None) == (args.ema_steps > 0)
     try:
         # server_process
-        server = build_server(args, shared_model, optimizer, run.buffers, run.counters, run.run.stop)
+        server = build_server(args, shared_model, optimizer, run.buffers, run.counters, run.run.stop,
+                              run.average_model)
         (predictor,), (trainer,) = server.predictors, server.trainers
         assert trainer.model.conv3.weight.is_contiguous(memory_format=torch.channels_last)
         assert not trainer.model.conv3.weight.is_contiguous() and shared_model.conv3.weight.is_contiguous()
@@ -126,6 +133,7 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
         initial = A3Clstm(1, n, args.hidden_size)
         initial.load_state_dict(shared_model.state_dict())
 
+        average = None if run.average_model is None else [p.double().clone() for p in run.average_model.parameters()]
         g = torch.Generator().manual_seed(11)
         lagged = settings.is_clip is not None and not settings.replay_activations
         greedy_seen = 0
@@ -144,6 +152,11 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
                 assert (weights - 1).abs().max() > 0.2, f"update {u}: every importance weight is about 1"
             result = trainer.update(batch)
             assert result.steps == sum(len(seg) for seg in batch)
+            if average is not None:  # the shared weights blended in by the update's agent steps (averaging.py)
+                w = 1 - math.exp(-result.steps / args.ema_steps)
+                average = [a + w * (p.detach().double() - a) for a, p in zip(average, shared_model.parameters())]
+                for key, p, a in zip(names, run.average_model.parameters(), average):
+                    assert (p.double() - a).abs().max() <= 1e-6, f"update {u}: the average's {key} is not the blend"
             assert result.lag_max >= 1 if lagged and u > 0 else result.lag_max == 0
             if settings.is_clip is not None:
                 assert result.weight_mean == pytest.approx(weights.mean().item(), rel=1e-4)
