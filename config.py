@@ -441,9 +441,15 @@ def validate_train_envs(args: argparse.Namespace) -> list[str]:
         if game is not None and other != game:
             errors.append(f"--train-envs: {env_id} is {other}, not {game}: every learner env must be --env's game "
                           f"({args.env}), in any of its versions (e.g. ALE/{game}-v5, {game}NoFrameskip-v4)")
-        elif crop is not None and load_env_config(args.env_config, env_id) != crop:
-            errors.append(f"--train-envs: {args.env_config} crops {env_id} otherwise than {args.env}; give both ids "
-                          f"the same entry")
+        elif crop is not None:
+            try:
+                other_crop = load_env_config(args.env_config, env_id)
+            except ValueError as e:
+                errors.append(f"--train-envs: env config '{args.env_config}' is not valid for {env_id}: {e}")
+                continue
+            if other_crop != crop:
+                errors.append(f"--train-envs: {args.env_config} crops {env_id} otherwise than {args.env}; give both "
+                              f"ids the same entry")
     counts = (args.agents, args.envs_per_agent) if args.mode == "ga3c" else (args.workers,)
     if all(isinstance(c, int) and c > 0 for c in counts):  # bad counts are reported for their own flags
         n, flags = learner_envs(args)

@@ -37,6 +37,7 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner per envi
 FRAME_SHAPE = (1, 80, 80)
 NOOP_MAX = 30
 FIRE_RESET_ACTIONS = (1, 2)  # FIRE, then action 2, after a reset in games whose action 1 is FIRE (see ``FireReset``)
+SCREEN_ROWS = 210  # every ALE game's screen is 210 x 160
 MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines uses 2); kept for model compatibility
 # gymnasium's notice for old-version ids ("The environment Pong-v0 is out of date ..."); the v0/v4 ids are accepted on
 # purpose (upstream's protocols), so the notice is not printed once per environment and process
@@ -105,16 +106,30 @@ def resolve_env_id(env_id: str) -> EnvSpec:
 
 
 def load_env_config(path: str | Path, env_id: str) -> dict:
-    """Per-game crop rows from ``config.json``: the last key that is a substring of ``env_id`` wins, else Default."""
+    """Per-game crop rows from ``config.json``: the last key that is a substring of ``env_id`` wins, else Default.
+
+    Raises ``ValueError`` (one line, without the path: the caller names it) for a table that is not a JSON object of objects, or where ``env_id``'s entry
+    lacks integer ``crop1`` and ``crop2`` that keep some rows: ``[crop1, crop2 + 160)``, cut at the screen's 210
+    (upstream's table ends VideoPinball's at 220)."""
     with open(path) as f:
         table = json.load(f)
+    if not isinstance(table, dict):
+        raise ValueError('it is not a JSON object of games (like {"Pong": {"crop1": 34, "crop2": 34}})')
+    for key, value in table.items():
+        if not isinstance(value, dict):
+            raise ValueError(f"the entry for '{key}' is not an object with crop1 and crop2")
     conf = dict(table.get("Default", {"crop1": 34, "crop2": 34}))
     for key, value in table.items():
         if key != "Default" and key in env_id:
             conf = dict(value)
     for k in ("crop1", "crop2"):
-        if not isinstance(conf.get(k), int):
-            raise ValueError(f"env config {path}: entry for {env_id} needs integer '{k}'")
+        if not isinstance(conf.get(k), int) or isinstance(conf.get(k), bool):
+            raise ValueError(f"the entry for {env_id} needs integer '{k}'")
+    crop1, crop2 = conf["crop1"], conf["crop2"]
+    if not 0 <= crop1 < min(crop2 + 160, SCREEN_ROWS):
+        raise ValueError(f"the entry for {env_id} keeps no rows of the {SCREEN_ROWS}-row screen (rows "
+                         f"[crop1, crop2 + 160) = [{crop1}, {crop2 + 160})): crop1 must be >= 0 and below both "
+                         f"{SCREEN_ROWS} and crop2 + 160")
     return conf
 
 

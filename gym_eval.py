@@ -167,7 +167,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors = validate_common(args)
     if args.new_gym_eval:
         errors.append("--new-gym-eval used gym's Monitor, which gymnasium removed: record videos with --record DIR "
-                      "(see README, 'Record')")
+                      "(see README, 'Watch and record')")
     if args.num_episodes < 1:
         errors.append(f"--num-episodes must be >= 1, got {args.num_episodes}")
     if args.render_freq < 1:
@@ -221,8 +221,15 @@ def validate(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def partial_video(path: Path) -> Path:
+    """Where the video for ``path`` is written until its game ends (``.<stem>.partial.mp4`` beside it)."""
+    return path.with_name(f".{path.stem}.partial{path.suffix}")
+
+
 class VideoWriter:
-    """One H.264 mp4 (yuv420p, plays in browsers and presentation software) from full-colour RGB frames."""
+    """One H.264 mp4 (yuv420p, plays in browsers and presentation software) from full-colour RGB frames. It is
+    written to ``partial_video(path)`` and renamed to ``path`` by ``close(finished=True)`` once its game has
+    ended: a game cut short (Ctrl-C, a failure) never leaves a video, or replaces one, under the final name."""
 
     def __init__(self, path: Path, fps: float):
         self.path, self.fps = path, fps
@@ -234,16 +241,24 @@ class VideoWriter:
         if self.writer is None:
             import imageio_ffmpeg
             h, w = frame.shape[:2]
-            self.writer = imageio_ffmpeg.write_frames(str(self.path), (w, h), fps=self.fps, codec="libx264",
+            self.writer = imageio_ffmpeg.write_frames(str(partial_video(self.path)), (w, h), fps=self.fps, codec="libx264",
                                                       pix_fmt_out="yuv420p", macro_block_size=2, quality=None,
                                                       output_params=["-crf", "18"], ffmpeg_log_level="error")
             self.writer.send(None)
         self.writer.send(frame.tobytes())
         self.frames += 1
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def close(self, finished: bool = False) -> None:
+        """End the video: renamed into place when ``finished``, else removed."""
+        partial = partial_video(self.path)
+        try:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+            if finished and self.frames:
+                os.replace(partial, self.path)
+        finally:
+            partial.unlink(missing_ok=True)
 
 
 def frameskip_words(skip) -> str:
@@ -359,9 +374,11 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
             if trace is not None:
                 write_trace(Path(args.trace) / f"{safe_name(args.env)}_game{i:03d}.csv", trace,
                             env.unwrapped.get_action_meanings())
+            if recorder is not None:
+                recorder.close(finished=True)
         finally:
             if recorder is not None:
-                recorder.close()
+                recorder.close()  # a game cut short: its partial video is removed
             env.close()
         results.put((i, score, length, recorder.frames if recorder else 0, [list(p) for p in points]))
 
@@ -370,12 +387,15 @@ def write_trace(path: Path, trace: list, action_names: list[str]) -> None:
     """``play_game``'s ``trace`` as CSV: ``step,action,reward,value`` and one probability column per action
     (``p_NOOP``, ``p_FIRE``, ...), one row per step the policy chose; written whole, then renamed into place."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "action", "reward", "value", *(f"p_{a}" for a in action_names)])
-        for step, action, reward, value, probs in trace:
-            w.writerow([step, action, f"{reward:g}", f"{value:.5f}", *(f"{p:.5f}" for p in probs)])
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "action", "reward", "value", *(f"p_{a}" for a in action_names)])
+            for step, action, reward, value, probs in trace:
+                w.writerow([step, action, f"{reward:g}", f"{value:.5f}", *(f"{p:.5f}" for p in probs)])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _worker(args, state_dict, games, results) -> None:
@@ -419,7 +439,7 @@ def points_lost(points: list[list]) -> dict | None:
 
 def points_line(lost: dict, n: int) -> str:
     """One line for ``points_lost``'s dict over ``n`` games."""
-    line = f"points given away: {lost['points']:g} in {lost['games']} of {n} games"
+    line = f"points given away: {lost['points']:.10g} in {lost['games']} of {n} games"
     if lost["first_point"]:
         steps = lost["first_point_steps"]
         line += (f"; the game's first point in {lost['first_point']} of them (agent steps {min(steps)}-"
@@ -488,11 +508,12 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     errors = validate(args)
-    state_dict, model_sha256, obj = None, None, None
-    try:
-        path = resolve_model_file(args)
-    except ModelFileError as e:
-        errors.append(str(e))
+    state_dict, model_sha256, obj, path = None, None, None, None
+    if not args.random_actions:  # which model plays does not matter then, nor whether two cards claim the env
+        try:
+            path = resolve_model_file(args)
+        except ModelFileError as e:
+            errors.append(str(e))
     if not errors and not args.random_actions:
         try:
             n_actions = num_actions(args.env)
@@ -563,14 +584,17 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
             bar.set_postfix(mean=f"{mean:.2f}")
             if bar.disable:
-                print(f"game {i + 1}/{n}: score {score:g}, length {length}", flush=True)
+                print(f"game {i + 1}/{n}: score {score:.10g}, length {length}", flush=True)
 
     procs = []
     interrupted, failure = False, None
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C stops the games (below)
     try:
         if args.workers == 1:
-            play_games(args, state_dict, list(range(n)), worker_device([args.gpu_id], 0), Results)
+            try:
+                play_games(args, state_dict, list(range(n)), worker_device([args.gpu_id], 0), Results)
+            except Exception as e:  # a write that failed (a full disk), ffmpeg: one line, as from a worker process
+                raise EvaluationFailed(f"the evaluation failed: {e!r}") from e
         else:
             ctx = mp.get_context("spawn")
             queue = ctx.Queue()
@@ -606,11 +630,18 @@ def main(argv: list[str] | None = None) -> int:
         failure = str(e)
     finally:
         bar.close()
-        for p in procs:
-            p.join(timeout=1 if interrupted or failure else 5)
+        for p in procs:  # stopped at once on Ctrl-C or a failure: a game they finished now would not be counted
+            if interrupted or failure:
+                p.kill()
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
+    if interrupted or failure:  # what a killed worker was writing: a partial video, a trace's temporary file
+        for folder, pattern in ((args.record, f".{file_stem(args)}_game*.partial.mp4"),
+                                (args.trace, f"{safe_name(args.env)}_game*.csv.tmp")):
+            for partial in Path(folder).glob(pattern) if folder else ():
+                partial.unlink(missing_ok=True)
     if interrupted:
         print(f"{PROG}: interrupted after {len(scores)} of {n} games", file=sys.stderr)
         return 130
@@ -626,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def summarise_and_write(args: argparse.Namespace, path: Path, model_sha256: str | None, proto: dict, log,
+def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha256: str | None, proto: dict, log,
                         start: float, scores: dict, lengths: dict, frames: dict, points: dict) -> int:
     """The summary line, the points line, the card line and the JSON of the finished games; returns the exit code
     (1 with one line where the JSON cannot be written)."""
@@ -636,8 +667,8 @@ def summarise_and_write(args: argparse.Namespace, path: Path, model_sha256: str 
     s = summarize(score_list)
     wall = time.time() - start
     who = " (uniform random actions)" if args.random_actions else ""
-    summary = (f"{args.env}{who}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:g}, "
-               f"max {s['max']:g}, median {s['median']:g} ({wall:.0f} s; protocol: frameskip "
+    summary = (f"{args.env}{who}: {n} games, mean {s['mean']:.2f} ± {s['std']:.2f}, min {s['min']:.10g}, "
+               f"max {s['max']:.10g}, median {s['median']:.10g} ({wall:.0f} s; protocol: frameskip "
                f"{frameskip_words(proto['frameskip'])}, {shown_words(proto['max_over_frames'])}, sticky actions "
                f"{proto['repeat_action_probability']:g}, no-op starts up to {proto['noop_starts']}, episodic life "
                f"off (a lost life restarts as in training), time limit {proto['time_limit_agent_steps']} agent steps"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -444,9 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     envs, runs, labels = set(), [], []
     names = [label_for(path[0]) for path, _ in curves]
     repeated = len({run for _, run in names}) < len(names)
+    stems = [path[0].stem[: -len("_monitor")] if path[0].stem.endswith("_monitor") else path[0].stem
+             for path, _ in curves]
+    if repeated and len(set(stems)) < len(stems):  # folders and file names both repeat: the paths from where they part
+        common = os.path.commonpath([str(path[0].resolve().parent) for path, _ in curves])
+        stems = [str(path[0].resolve().with_suffix("").relative_to(common)) for path, _ in curves]
     for k, ((path, c), (env, run)) in enumerate(zip(curves, names)):
         if repeated:
-            run = path[0].stem[: -len("_monitor")] if path[0].stem.endswith("_monitor") else path[0].stem
+            run = stems[k]
         envs.add(env)
         runs.append(run)
         pieces = f" ({len(path)} pieces)" if len(path) > 1 else ""

@@ -131,7 +131,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
             elapsed = elapsed_offset + now - start
             log.info(f"Time {format_duration(elapsed)}, episode reward {score}, episode length {length}, "
                      f"reward mean {reward_mean:.4f}")
-            console.info(f"[monitor] steps {steps:,} ({rate:.0f} steps/s) | game {int(games)}: score {score:g}, "
+            console.info(f"[monitor] steps {steps:,} ({rate:.0f} steps/s) | game {int(games)}: score {score:.10g}, "
                          f"length {length}, mean {reward_mean:.2f}"
                          + (f", last {run.recent.numel()} mean {window_mean:.2f}" if window_mean is not None else ""))
             writer.writerow([f"{now:.3f}", f"{elapsed:.1f}", steps, score, length, f"{rate:.1f}", f"{reward_mean:.4f}",

@@ -1,5 +1,8 @@
 """The environment stack: wrappers on a fake Atari first, then on real ALE (ROMs ship with ale-py)."""
+import json
+import re
 import warnings
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -268,6 +271,33 @@ def test_env_config_lookup(env_config):
     assert load_env_config(env_config, "SpaceInvadersNoFrameskip-v4") == {"crop1": 8, "crop2": 36}
     assert load_env_config(env_config, "PongNoFrameskip-v4") == {"crop1": 34, "crop2": 34}
     assert load_env_config(env_config, "FreewayNoFrameskip-v4") == {"crop1": 34, "crop2": 34}  # Default
+
+
+@pytest.mark.parametrize("table, message", [
+    ([1], "it is not a JSON object of games"),
+    ({"Pong": 5}, "the entry for 'Pong' is not an object with crop1 and crop2"),
+    ({"Pong": {"crop1": 34.5, "crop2": 34}}, "the entry for PongNoFrameskip-v4 needs integer 'crop1'"),
+    ({"Pong": {"crop1": True, "crop2": 34}}, "the entry for PongNoFrameskip-v4 needs integer 'crop1'"),
+    ({"Pong": {"crop1": 250, "crop2": 34}}, "the entry for PongNoFrameskip-v4 keeps no rows of the 210-row screen"),
+    ({"Pong": {"crop1": -1, "crop2": 34}}, "the entry for PongNoFrameskip-v4 keeps no rows of the 210-row screen"),
+    ({"Pong": {"crop1": 34, "crop2": -130}}, "the entry for PongNoFrameskip-v4 keeps no rows of the 210-row screen")])
+def test_a_crop_table_that_cannot_crop_is_one_line_naming_the_entry(tmp_path, table, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_env_config(path, "PongNoFrameskip-v4")
+    from config import validate_common
+    from gym_eval import build_parser
+    errors = validate_common(build_parser().parse_args(["--env-config", str(path)]))
+    assert errors == [e for e in errors if e.startswith(f"env config '{path}' is not valid: {message}")] != []
+
+
+def test_upstreams_table_crops_every_game_within_the_screen(env_config):
+    """VideoPinball's rows end at 220, past the screen's 210: the slice stops at 210, as upstream's did."""
+    table = json.loads(Path(env_config).read_text())
+    for game in table:
+        conf = load_env_config(env_config, f"{game}NoFrameskip-v4")
+        assert process_frame(np.zeros((210, 160, 3), np.uint8), conf["crop1"], conf["crop2"]).shape == (1, 80, 80)
 
 
 @pytest.mark.parametrize("env_id,skip_by_us,rap", [

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, kill_session, processes_left, run_entry
+from test_faults import START_SECONDS
 from model import expected_shapes
 
 SHORT = ["--hidden-size", "32", "--max-episode-length", "60", "--env-config", str(ROOT / "config.json")]
@@ -113,6 +115,7 @@ def test_record_writes_the_first_frame_and_one_per_step(tmp_path, model_dir):
                     str(tmp_path / "videos"))
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert [v.name for v in videos] == ["PongNoFrameskip-v4_game000.mp4"]  # every 2nd game: game 0 only
+    assert [p.name for p in (tmp_path / "videos").iterdir()] == [videos[0].name]  # no partial file left
     n_frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(videos[0]))
     assert n_frames == s["lengths"][0] + 1  # the game's first frame, then one after every agent step
     assert s["videos"] == {str(videos[0]): n_frames}
@@ -440,6 +443,85 @@ def test_an_evaluation_process_killed_mid_run_ends_it_in_one_line(tmp_path):
     assert not (tmp_path / "out.json").exists() and not left, left
 
 
+class FakeScreen:
+    """An env stand-in for ``VideoWriter``: ``render()`` gives a fixed RGB frame."""
+
+    @staticmethod
+    def render():
+        import numpy as np
+        return np.full((16, 16, 3), 128, dtype=np.uint8)
+
+
+def test_a_video_appears_under_its_name_only_when_its_game_has_ended(tmp_path):
+    """Frames go to a hidden partial file; ``close(finished=True)`` renames it into place, a plain ``close`` (a game
+    cut short) removes it, and an earlier complete video of that name stays as it was."""
+    from gym_eval import VideoWriter
+    final = tmp_path / "PongNoFrameskip-v4_game000.mp4"
+    writer = VideoWriter(final, 15.0)
+    for _ in range(3):
+        writer(FakeScreen)
+    assert not final.exists()  # ffmpeg writes partial_video(final) (once its encoder has output)
+    writer.close(finished=True)
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    complete = final.read_bytes()
+    writer = VideoWriter(final, 15.0)
+    writer(FakeScreen)
+    writer.close()
+    assert [p.name for p in tmp_path.iterdir()] == [final.name] and final.read_bytes() == complete
+
+
+def test_ctrl_c_while_two_processes_record_leaves_no_video_of_an_unfinished_game(tmp_path, model_dir):
+    """SIGINT to the process group while both evaluation processes record their first game (whose partial videos
+    are on disk): exit 130 in one line from gym_eval.py, no partial file, no process, and under a video's name only
+    a game that had ended before the signal (on a busy machine one may: its frames are that game's whole length)."""
+    import imageio_ffmpeg
+    import gym_eval
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    videos = tmp_path / "videos"
+    flags = [*SHORT[:2], "--env-config", str(ROOT / "config.json"), "--load-model-dir", str(model_dir),
+             "--num-episodes", "2", "--max-episode-length", "5000", "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "gym_eval.py"), *flags, "--workers", "2", "--record",
+                             str(videos)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + START_SECONDS
+        while len(list(videos.glob(".*.partial.mp4"))) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert len(list(videos.glob(".*.partial.mp4"))) == 2, "the two games' partial videos never appeared"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        left = processes_left(proc.pid)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 130 and re.fullmatch(r"gym_eval\.py: interrupted after [01] of 2 games\n", err), err
+    finished = sorted(videos.iterdir())
+    assert not left and len(finished) < 2 and all(v.name.startswith("PongNoFrameskip-v4_game") for v in finished), \
+        (finished, left)
+    lengths = {}
+    args = gym_eval.build_parser().parse_args(flags)
+    gym_eval.play_games(args, torch.load(model_dir / "PongNoFrameskip-v4.dat"), [int(v.stem[-3:]) for v in finished],
+                        torch.device("cpu"), type("Collect", (), {"put": staticmethod(
+                            lambda item: lengths.update({item[0]: item[2]}))}))
+    for v in finished:
+        assert imageio_ffmpeg.count_frames_and_secs(str(v))[0] == lengths[int(v.stem[-3:])] + 1, v
+
+
+def test_a_failed_write_during_the_games_is_one_line_in_either_process_layout(tmp_path, model_dir):
+    """A trace that cannot be written (``/dev/full`` in its temporary file's place: the disk is full): one line,
+    exit 1, with one evaluation process as with two, and no temporary file left."""
+    for workers in ("1", "2"):
+        traces = tmp_path / f"traces{workers}"
+        traces.mkdir()
+        (traces / "PongNoFrameskip-v4_game000.csv.tmp").symlink_to("/dev/full")
+        r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--num-episodes", "1",
+                      "--max-episode-length", "20", "--workers", workers, "--trace", str(traces),
+                      "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert "failed: OSError(28, 'No space left on device') after 0 of 1 games; nothing was summarised" in lines[0]
+        assert list(traces.iterdir()) == [], list(traces.iterdir())
+
+
 def interrupted_while_importing(tmp_path, module: str, script: str, *args: str) -> tuple[int, str]:
     """Run ``script`` with a stand-in for ``module`` that prints ``importing`` and waits; send SIGINT once it
     printed that; ``(exit code, stderr)``."""
@@ -685,6 +767,20 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     # 0: a and b reached it, c (its last game at 4k) cannot move the median; 20: only b, the others stopped at 4k
     assert lines["median"].split()[3:] == ["4k", "/", "4", "min", "≥4k", "/", "≥4", "min"]
     assert not list(tmp_path.rglob("*.png"))
+
+
+def test_plot_names_runs_whose_folders_and_files_both_repeat_by_where_their_paths_part(tmp_path, monkeypatch):
+    import plot
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    for top in ("x", "y"):
+        (tmp_path / top / "seed1").mkdir(parents=True)
+        (tmp_path / top / "seed1" / "PongNoFrameskip-v4_monitor.csv").write_text(header + "0,60,1000,-21,100,1,0,\n")
+    inputs = [str(tmp_path / top / "seed1" / "PongNoFrameskip-v4_monitor.csv") for top in ("x", "y")]
+    drawn = {}
+    real = plot.time_to_score_table
+    monkeypatch.setattr(plot, "time_to_score_table", lambda runs, *a: drawn.update(runs) or real(runs, *a))
+    assert plot.main([*inputs, "--no-figure"]) == 0
+    assert list(drawn) == ["x/seed1/PongNoFrameskip-v4_monitor", "y/seed1/PongNoFrameskip-v4_monitor"]
 
 
 def test_plot_median_counts_a_run_that_stopped_early_as_slower_than_its_last_game_only(tmp_path):
@@ -939,3 +1035,21 @@ def test_a_checkpoint_s_configuration_turns_see_skipped_frames_on(tmp_path, mode
     assert s["protocol"]["max_over_frames"] == (3 if saved else 1)
     assert ("the checkpoint's configuration says the model was trained on the max over each step's last frames"
             in r.stdout) is saved
+
+
+def test_scores_of_a_million_and_more_are_printed_whole(tmp_path, capsys):
+    """Atlantis and VideoPinball score millions: the summary line prints them digit for digit, not as 2.87321e+06."""
+    import argparse
+    import logging
+    import gym_eval
+    from environment import protocol
+    args = argparse.Namespace(num_episodes=2, env="AtlantisNoFrameskip-v4", random_actions=True,
+                              compute_precision="fp32", json=str(tmp_path / "a.json"), record=None, trace=None,
+                              seed=1, log_dir=str(tmp_path))
+    proto = protocol(args.env, max_episode_length=10000, skip_rate=4, episodic_life=False)
+    code = gym_eval.summarise_and_write(args, None, None, proto, logging.getLogger("test"), time.time(),
+                                        {0: 2873210.0, 1: 1234567.0}, {0: 9000, 1: 9000}, {0: 0, 1: 0}, {0: [], 1: []})
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 games, mean 2053888.50 ± 819321.50, min 1234567, max 2873210, median 2053888.5 (" in out, out
+    assert json.loads((tmp_path / "a.json").read_text())["scores"] == [2873210.0, 1234567.0]

@@ -759,7 +759,7 @@ def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(sh
 
 def test_two_cards_that_list_one_env_are_refused_and_a_missing_model_says_where_it_was_looked_for(tmp_path):
     """Which model plays is never decided by file names: two cards listing the env under default_for are one
-    line and exit 2; a model that is not there names the places looked at, and a card whose file is missing."""
+    line and exit 2 (but for --random-actions, which plays no model); a model that is not there names the places looked at, and a card whose file is missing."""
     from checkpoint import ModelFileError
     from gym_eval import default_model_file
     models = tmp_path / "models"
@@ -773,6 +773,10 @@ def test_two_cards_that_list_one_env_are_refused_and_a_missing_model_says_where_
     r = run_entry("gym_eval.py", "--env", "Pong-v0", "--load-model-dir", str(models), "--log-dir", str(tmp_path / "l"),
                   cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "all list Pong-v0 under default_for" in r.stderr
+    shutil.copytree(models, tmp_path / "elsewhere" / "trained_models")  # the default folder of a run from there
+    r = run_entry("gym_eval.py", "--env", "Pong-v0", "--log-dir", str(tmp_path / "l"), "--random-actions",
+                  "--num-episodes", "1", "--max-episode-length", "20", cwd=tmp_path / "elsewhere", timeout=120)
+    assert r.returncode == 0, r.stderr  # random actions need no model, so two cards claiming the env do not matter
     (models / "A.dat").unlink()
     (models / "B.dat").unlink()
     r = run_entry("gym_eval.py", "--env", "Pong-v0", "--load-model-dir", str(models), "--log-dir", str(tmp_path / "l"),
