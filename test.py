@@ -112,7 +112,9 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     start = time.time()
     best_saved = max(0.0, run.monitor[2].item(), -math.inf if logged_best is None else logged_best)
     last_t, last_steps = start, run.global_steps.value
-    seed = args.seed + run.workers
+    # the first game's seed follows the learners' first ones: an A3G worker r plays seed + r, a GA3C env slot s
+    # seed + s (its row of norm_stats, as the monitor's row is the last), so the monitor's opening is no learner's
+    seed = args.seed + run.monitor_norm
     run.mark_ready(run.monitor_slot)
     try:
         while not run.stop.is_set():

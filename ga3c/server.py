@@ -193,12 +193,20 @@ class Server:
     def set_counts(self, trainers: int, predictors: int, timeout: float = 10.0) -> None:
         """Run ``trainers`` trainer and ``predictors`` predictor threads from now on (see the module docstring).
 
-        A retired predictor that has not ended within ``timeout`` seconds is a failure: the server halts rather
-        than start a new set beside it."""
+        A retired trainer or predictor that has not ended within ``timeout`` seconds is a failure: the server halts
+        rather than start another thread on the same trainer, or a new set of predictors beside it; a halted server
+        starts nothing."""
+        if self.halt.is_set():
+            return
         while len(self._trainer_threads) > trainers:  # retire the newest; its partial batch is dropped
             retire, th = self._trainer_threads.pop()
             retire.set()
             th.join(timeout)
+            if th.is_alive():  # a later start on the same Trainer would run two threads on one working copy
+                self.failures.append((th.name.removeprefix("ga3c "), f"{th.name}: still running {timeout:g} s after "
+                                      f"being retired (--dynamic); no trainer was started in its place\n"))
+                self.halt.set()
+                return
         while len(self._trainer_threads) < trainers:
             i = len(self._trainer_threads)
             if i >= len(self.trainers):

@@ -249,6 +249,29 @@ def test_a_predictor_that_does_not_end_when_retired_halts_the_server_instead_of_
         assert server.join(10)
 
 
+def test_a_trainer_that_does_not_end_when_retired_halts_the_server_instead_of_getting_a_second_thread():
+    """A retired trainer still inside an update after the timeout: starting trainers again would run a second thread
+    on the same ``Trainer`` (its one working copy of the weights); the server records the failure and halts."""
+    model = A3Clstm(1, 6, 32)
+    buffers, counters, stop, release = EnvSlots(2), Ga3cCounters(1, 1, 1), Flag(), threading.Event()
+    server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers, counters, Ga3cSettings(), stop,
+                    num_predictors=0, num_trainers=1)
+    server.trainers[0].run = lambda source, flag: release.wait(30)  # deaf to its flag
+    server.start()
+    try:
+        server.set_counts(0, 0, timeout=0.2)
+        assert server.halt.is_set() and server.counts == (0, 0)
+        assert [role for role, _ in server.failures] == ["trainer 0"], server.failures
+        assert "still running 0.2 s after being retired" in server.failures[0][1]
+        server.set_counts(1, 0)  # what the server process would ask next, were it not halting
+        alive = [th for th in server.threads if th.is_alive() and th.name == "ga3c trainer 0"]
+        assert len(alive) <= 1, "two threads on one trainer"
+    finally:
+        release.set()
+        stop.set()
+        assert server.join(10)
+
+
 def test_predictors_built_again_by_dynamic_do_not_draw_the_first_sets_random_numbers_again():
     """Each set of predictors that ``set_counts`` builds samples with seeds no earlier set used (the first set keeps
     ``seed + p``, so a run without ``--dynamic`` samples as before)."""

@@ -13,6 +13,7 @@ more): the console line and results.txt always have something to show.
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,29 @@ def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_p
     shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+) \| (?:fp32|bf16)$", r.stdout, re.MULTILINE)}
     assert len(shown) >= 2  # the status lines saw more than one setting
     assert "exited unexpectedly" not in r.stdout
+
+
+def test_the_monitors_first_game_is_no_learners_first_game(tmp_path, monkeypatch):
+    """The monitor seeds its first game after the learners' first seeds: GA3C env slot s plays ``seed + s`` first
+    (``Ga3cRun._start_agent``), A3G worker r ``seed + r``; the monitor ``seed + 16`` with 2 agents x 8 envs, and
+    ``seed + 2`` with 2 A3G workers (``test.run_monitor``, played in this process)."""
+    import test as monitor
+    from config import build_parser, validate
+    from ga3c.run import Ga3cRun
+    from a3g.run import A3gRun
+    from model import A3Clstm
+    for flags, mode, expected in ((["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "8"], Ga3cRun, 7 + 16),
+                                  (["--workers", "2"], A3gRun, 7 + 2)):
+        args = build_parser().parse_args([*flags, "--seed", "7", "--hidden-size", "32", *dirs(tmp_path / mode.name)])
+        assert validate(args) == []
+        Path(args.log_dir).mkdir(parents=True)  # as main.py makes it
+        run = mode(args, A3Clstm(1, 6, 32), None, log=None).run
+        seeds = []
+
+        def one_game(model, env, device, seed=None, should_stop=None, **kw):
+            seeds.append(seed)
+            run.stop.set()
+            return 0.0, 1, False
+        monkeypatch.setattr(monitor, "play_game", one_game)
+        monitor.run_monitor(args, A3Clstm(1, 6, 32), run, torch.device("cpu"))
+        assert seeds == [expected], (mode.name, seeds)
