@@ -52,6 +52,7 @@ class Ga3cSettings:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.lr_anneal_steps >= 0, f"lr_anneal_steps must be >= 0, got {self.lr_anneal_steps}"),
             (self.entropy_anneal_steps >= 0, f"entropy_anneal_steps must be >= 0, got {self.entropy_anneal_steps}"),
+            (self.short_game_slots >= 0, f"short_game_slots must be >= 0, got {self.short_game_slots}"),
             (self.greedy_slots >= 0, f"greedy_slots must be >= 0, got {self.greedy_slots}"),
             (self.ema_steps >= 0, f"ema_steps must be >= 0, got {self.ema_steps}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),

@@ -127,3 +127,6 @@ def test_settings_from_args_and_problems():
     bad = Ga3cSettings(num_steps=0, train_batch=0, is_clip=-1.0).problems()
     assert len(bad) == 3 and any("is_clip" in b for b in bad)
     assert Ga3cSettings().problems() == []
+    # a negative count would make greedy_slot_ids() count back from the last slot
+    assert Ga3cSettings(short_game_slots=-1, greedy_slots=1, ema_steps=-1).problems() == [
+        "short_game_slots must be >= 0, got -1", "ema_steps must be >= 0, got -1"]
