@@ -373,7 +373,7 @@ def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_
 
     fakes = {}
 
-    def fake_launch(ctx, args, shared_model, optimizer, run, elapsed_offset=0.0, monitor=True):
+    def fake_launch(ctx, args, shared_model, optimizer, run, elapsed_offset=0.0, monitor=True, average_model=None):
         run.add_steps(0, counted_before)
         fakes.update({"monitor": FakeProcess(run), "worker 0": FakeProcess(run, 0),
                       "worker 1": FakeProcess(run, 1, last_steps=last_steps)})
