@@ -22,6 +22,7 @@ import math
 import torch
 
 from model import A3Clstm
+from player_util import sync_weights
 
 
 def ema_weight(steps: int, horizon: int) -> float:
@@ -35,9 +36,7 @@ def make_average(model: A3Clstm) -> A3Clstm:
     """A copy of ``model``'s weights as a model of its own in shared memory, float32 and contiguous, without
     gradients: the start of the average."""
     average = A3Clstm(model.conv1.in_channels, model.num_actions, model.hidden_size)
-    with torch.no_grad():
-        for a, p in zip(average.parameters(), model.parameters()):
-            a.copy_(p)
+    sync_weights(average, model)
     average.requires_grad_(False)
     return average.share_memory()
 

@@ -9,9 +9,7 @@ import torch
 from averaging import ema_weight, make_average, update_average
 from checkpoint import CHECKPOINT_FORMAT, ModelFileError, check_checkpoint, played_state_dict
 from model import A3Clstm
-from run_state import RunState
-from shared_optim import SharedAdam
-from test_player import CPU, worker_args
+from test_player import CPU, shared_worker_state, worker_args
 from train import run_worker
 
 
@@ -57,11 +55,7 @@ def test_an_a3g_worker_blends_the_shared_weights_in_after_every_step(tmp_path):
     shared weights that update left, by the weight of the update's agent steps (checked one update at a time)."""
     horizon = 50
     args = worker_args(tmp_path, ema_steps=horizon)
-    torch.manual_seed(0)
-    shared = A3Clstm(1, 6, 32)
-    shared.share_memory()
-    opt = SharedAdam(shared.parameters(), lr=1e-3)
-    run = RunState(1)
+    shared, opt, run = shared_worker_state()
     average = make_average(shared)
     expected = [p.detach().double().clone() for p in average.parameters()]
     for u in range(3):

@@ -95,13 +95,17 @@ def worker_args(tmp_path, **over):
     return args
 
 
-def train_once(tmp_path, updates=6, seed=1):
-    args = worker_args(tmp_path, seed=seed)
+def shared_worker_state():
+    """What main.py hands one A3G worker: a shared 32-unit model (seeded 0), its SharedAdam and a RunState."""
     torch.manual_seed(0)
     shared = A3Clstm(1, 6, 32)
     shared.share_memory()
-    opt = SharedAdam(shared.parameters(), lr=1e-3)
-    run = RunState(1)
+    return shared, SharedAdam(shared.parameters(), lr=1e-3), RunState(1)
+
+
+def train_once(tmp_path, updates=6, seed=1):
+    args = worker_args(tmp_path, seed=seed)
+    shared, opt, run = shared_worker_state()
     n = run_worker(0, args, shared, opt, run, CPU, max_updates=updates)
     return n, run, {k: v.clone() for k, v in shared.state_dict().items()}
 
