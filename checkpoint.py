@@ -143,19 +143,26 @@ class RunLock:
     pid."""
 
     def __init__(self, folder: str | Path, flag: str = "--save-model-dir", name: str = ".lock"):
+        """Raises ``RunLockedError`` where another run holds the lock, ``CheckpointWriteError`` (one line) where the
+        lock file cannot be made or written (a full disk, a read-only folder)."""
         self.folder = Path(folder)
         self.path = self.folder / name
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = None
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            self.fd = None
-            raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to stop, "
-                                 f"or pass {flag} DIR with another folder") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(self.fd)
+                self.fd = None
+                raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to stop, "
+                                     f"or pass {flag} DIR with another folder") from None
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            self.release()
+            raise CheckpointWriteError(write_error_message(self.path, e)) from e
 
     def release(self) -> None:
         if self.fd is not None:

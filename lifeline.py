@@ -147,16 +147,31 @@ def start_child(process) -> None:
 
 class StopSignals:
     """SIGINT/SIGTERM as a stop request: the first one is recorded (``signal``), a second one raises
-    ``KeyboardInterrupt`` (stop waiting politely). ``exit_code`` is 130 for SIGINT, 143 for SIGTERM."""
+    ``KeyboardInterrupt`` (stop waiting politely). ``exit_code`` is 130 for SIGINT, 143 for SIGTERM.
 
-    def __init__(self):
+    ``prog``: until ``arm()`` is called, a second signal ends the process at once with one line on stderr naming
+    ``prog`` and exit code ``exit_code`` (for the start-up before anything is started or written: the imports, the
+    checks of the flags and files, where a ``KeyboardInterrupt`` could only end in a traceback)."""
+
+    def __init__(self, prog: str | None = None):
         self.signal: int | None = None
+        self.prog = prog
 
     def __call__(self, signum, frame):
         if self.signal is None:
             self.signal = signum
+        elif self.prog is not None:
+            try:
+                print(f"{self.prog}: {self.reason} during start-up; nothing written", file=sys.stderr, flush=True)
+            finally:
+                os._exit(self.exit_code)
         else:
             raise KeyboardInterrupt
+
+    def arm(self) -> "StopSignals":
+        """From here on a second signal raises ``KeyboardInterrupt`` (the caller has something to stop)."""
+        self.prog = None
+        return self
 
     def install(self) -> "StopSignals":
         for s in STOP_SIGNALS:

@@ -28,7 +28,7 @@ import lifeline
 if __name__ == "__mp_main__":
     lifeline.bind_to_parent()
 elif __name__ == "__main__":
-    STOP = lifeline.StopSignals().install()
+    STOP = lifeline.StopSignals("main.py").install()  # armed by main() once it has something to stop
 
 import logging  # noqa: E402
 import multiprocessing as mp  # noqa: E402
@@ -37,6 +37,7 @@ import shlex  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from argparse import Namespace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -46,7 +47,7 @@ from a3g.run import A3gRun, shutdown  # noqa: E402
 from averaging import average_line, make_average  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
-                        read_weights, remove_stale_temp_files, state_dict_of)
+                        read_weights, remove_stale_temp_files, state_dict_of, write_error_message)
 from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
                     greedy_slots_line, short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
@@ -89,8 +90,9 @@ def folders_to_make(path: Path) -> list[Path]:
 def take_locks(args: Namespace) -> list[RunLock]:
     """This run's locks: ``--save-model-dir``'s (``.lock``, one run per folder) and ``--log-dir``'s for this env
     (``.<env>.lock``: runs of other envs may share a log folder, as upstream's ``logs/``), the folders made as
-    needed. Where another run holds either, raises ``RunLockedError`` with nothing of this attempt left on disk
-    (the folders and lock files it made are removed)."""
+    needed. Where another run holds either, raises ``RunLockedError``, and where a folder or lock file cannot be
+    made or written (a full disk), ``CheckpointWriteError``, either with nothing of this attempt left on disk (the
+    folders and lock files it made are removed)."""
     made = folders_to_make(Path(args.save_model_dir)) + folders_to_make(Path(args.log_dir))
     wanted = [(Path(args.save_model_dir), "--save-model-dir", ".lock"),
               (Path(args.log_dir), "--log-dir", f".{safe_name(args.env)}.lock")]
@@ -98,9 +100,12 @@ def take_locks(args: Namespace) -> list[RunLock]:
     locks = []
     try:
         for folder, flag, name in wanted:
-            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointWriteError(write_error_message(folder, e)) from e
             locks.append(RunLock(folder, flag, name))
-    except RunLockedError:
+    except (RunLockedError, CheckpointWriteError):
         for lock in locks:
             lock.release()
         for path in new_files:
@@ -186,6 +191,25 @@ def report_status(log, tb, mode: Mode, steps: int, rate: float, span: float, arg
     for name, value in scalars.items():
         tb.add_scalar(name, value, steps)
     tb.flush()
+
+
+def main_failure_line(e: Exception, log) -> str:
+    """One line for a failure of the main process itself: a file it could not write (``CheckpointWriteError``), or
+    else the exception's first line, its traceback logged."""
+    if isinstance(e, CheckpointWriteError):
+        return str(e)
+    log.info("the main process failed:\n" + "".join(traceback.format_exception(e)).rstrip())
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"the main process failed: {type(e).__name__}" + (f": {first}" if first else "")
+
+
+def attempt(step, log) -> str:
+    """``step()``; '' when it returned, else the one line that says why it failed (``main_failure_line``)."""
+    try:
+        step()
+    except Exception as e:
+        return main_failure_line(e, log)
+    return ""
 
 
 def exited_unexpectedly(procs: list[tuple[str, mp.Process]], mode: Mode,
@@ -373,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     if stop.signal is not None:  # before anything is written
         print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
         return stop.exit_code
+    stop.arm()  # from here on a second stop signal raises KeyboardInterrupt, to stop what was started
 
     ray_module = None
     if args.ray_address is not None:  # an address that does not answer, or a cluster too small: bad input
@@ -395,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             return stop.exit_code
     try:
         locks = take_locks(args)
-    except RunLockedError as e:
+    except (RunLockedError, CheckpointWriteError) as e:
         if ray_module is not None:
             ray_module.shutdown()
         fail([str(e)])
@@ -528,11 +553,16 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                 code, reason = stop.exit_code, stop.reason
                 break
             # Which processes ended is read before the counters: a worker that exits at the step budget has
-            # counted its last steps before it exits, so the budget check below sees them.
+            # counted its last steps before it exits, so the budget check below sees them. A process that died is
+            # reported before any stop condition met in the same tick, so that a failure never ends a run with 0.
             ended = [(role, p) for role, p in procs if not p.is_alive()]
             now = time.time()
             steps = run.global_steps.value
             budget_reached = bool(args.max_steps) and steps >= args.max_steps
+            dead = exited_unexpectedly(ended, mode, budget_reached)
+            if dead:
+                code, reason = 1, f"{dead[0]} exited unexpectedly (exit code {dead[1]})"
+                break
             if budget_reached:
                 reason = (f"reached the end of --lr-anneal-steps {args.lr_anneal_steps:,} (the learning rate is 0)"
                           if args.lr_anneal_steps == args.max_steps else f"reached --max-steps {args.max_steps:,}")
@@ -543,11 +573,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             if run.target_reached.is_set():
                 reason = f"reached --target-score {args.target_score:g}"
                 break
-            mode.tick(now)
-            dead = exited_unexpectedly(ended, mode, budget_reached)
-            if dead:
-                code, reason = 1, f"{dead[0]} exited unexpectedly (exit code {dead[1]})"
-                break
+            mode.tick(now)  # raises CheckpointWriteError where GA3C's results.txt cannot be written (below)
             if mode.failed:
                 code, reason = 1, mode.failed
                 break
@@ -565,15 +591,27 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
             time.sleep(0.2)
     except KeyboardInterrupt:
         code, reason = 130, "interrupted (Ctrl-C)"
+    except Exception as e:  # the main process's own failure: the run ends as when a process fails
+        code, reason = 1, main_failure_line(e, log)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown below is bounded; let it finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # the processes started so far, also where a second Ctrl-C interrupted the launch before it returned
+        procs = procs or list(mode.procs)
         shutdown(procs, run, slot_of=mode.slot_of)
-        mode.close()
+        # Each step below is attempted whatever the one before it raised, so that the final checkpoint is always
+        # tried: a failure is one more line, and the exit code 1.
+        failures = [attempt(mode.close, log)]
         if procs:  # the last stretch's losses and speed, so that even a short run logs them once
             span = max(time.time() - last_status, 1e-9)
-            report_status(log, tb, mode, run.global_steps.value, (run.global_steps.value - status_steps) / span, span,
-                          args)
+            failures.append(attempt(lambda: report_status(log, tb, mode, run.global_steps.value,
+                                                          (run.global_steps.value - status_steps) / span, span, args),
+                                    log))
+        for line in failures:
+            if line:
+                code = 1
+                if line != reason:
+                    log.info(f"main.py: error: {line}")
         for role, text in run.errors.read_all() + mode.errors():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
@@ -597,12 +635,16 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                      "where that schedule puts it")
         elif checkpoint_path(args.save_model_dir, args.env).is_file():
             log.info(f"resume with: {resume_command(argv, args, reason)}")
-        if tb is not None:
-            tb.close()
+        if tb is not None and attempt(tb.close, log):
+            code = 1
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a second stop signal outside the run's own handling; what was started is stopped
+        print(f"main.py: {STOP.reason}", file=sys.stderr)
+        sys.exit(STOP.exit_code or 130)

@@ -62,6 +62,7 @@ class Mode(Protocol):
     run: RunState  # the flags, global steps, monitor statistics and error slots shared with the processes
     failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
     average_model: A3Clstm | None = None  # --ema-steps: the moving average of the weights, in shared memory
+    procs: list[tuple[str, mp.Process]]  # the processes started so far, each added as soon as it has started
 
     @property
     def played_model(self) -> A3Clstm:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import atomic_save, cpu_state_dict, model_path
+from checkpoint import CheckpointWriteError, atomic_save, cpu_state_dict, model_path, write_error_message
 from config import config_dict
 from environment import atari_env, load_env_config, normalizer
 from model import A3Clstm
@@ -71,7 +71,8 @@ def best_logged_score(path: Path) -> float | None:
 def open_csv(path: Path):
     """Open the per-game CSV for appending; write the header only to a new file. A file whose last row was cut
     short (a run killed while writing it) gets that line ended first, so that the next row starts a line of its
-    own (``plot.py`` leaves the cut row out)."""
+    own (``plot.py`` leaves the cut row out). Raises ``CheckpointWriteError`` (one line) when it cannot be
+    written (a full disk), the file closed."""
     new = not path.exists() or path.stat().st_size == 0
     ended = True
     if not new:
@@ -80,13 +81,25 @@ def open_csv(path: Path):
             ended = old.read(1) == b"\n"
     f = open(path, "a", newline="")
     writer = csv.writer(f)
-    if new:
-        writer.writerow(CSV_FIELDS)
-        f.flush()
-    elif not ended:
-        f.write("\r\n")
-        f.flush()
+    try:
+        if new:
+            writer.writerow(CSV_FIELDS)
+            f.flush()
+        elif not ended:
+            f.write("\r\n")
+            f.flush()
+    except OSError as e:
+        close_quietly(f)
+        raise CheckpointWriteError(write_error_message(path, e)) from e
     return f, writer
+
+
+def close_quietly(f) -> None:
+    """Close ``f``; a write it still holds that fails again (already reported) is dropped."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
@@ -136,9 +149,12 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
             console.info(f"[monitor] steps {steps:,} ({rate:.0f} steps/s) | game {int(games)}: score {score:.10g}, "
                          f"length {length}, mean {reward_mean:.2f}"
                          + (f", last {run.recent.numel()} mean {window_mean:.2f}" if window_mean is not None else ""))
-            writer.writerow([f"{now:.3f}", f"{elapsed:.1f}", steps, score, length, f"{rate:.1f}", f"{reward_mean:.4f}",
-                             "" if window_mean is None else f"{window_mean:.4f}"])
-            f.flush()
+            try:
+                writer.writerow([f"{now:.3f}", f"{elapsed:.1f}", steps, score, length, f"{rate:.1f}",
+                                 f"{reward_mean:.4f}", "" if window_mean is None else f"{window_mean:.4f}"])
+                f.flush()
+            except OSError as e:  # a full disk: one line (describe_failure), not a traceback
+                raise CheckpointWriteError(write_error_message(csv_path(args.log_dir, args.env), e)) from e
             if tb is not None:
                 tb.add_scalar("charts/episode_reward", score, steps)
                 tb.add_scalar("charts/episode_length", length, steps)
@@ -162,7 +178,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                     break
                 time.sleep(0.2)
     finally:
-        f.close()
+        close_quietly(f)
         if tb is not None:
             tb.close()
 

@@ -33,9 +33,35 @@ def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
     return json.dumps(obj)
 
 
+class LogFileHandler(logging.FileHandler):
+    """``logging.FileHandler`` whose failed writes (a full disk) are reported once, in one line on stderr, instead
+    of a traceback per record; the lines it could not write are lost, the process goes on."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if getattr(self, "_reported", False):
+            return
+        self._reported = True
+        from checkpoint import write_error_message
+        e = sys.exc_info()[1]
+        why = write_error_message(Path(self.baseFilename), e) if e is not None else f"could not write {self.baseFilename}"
+        try:
+            print(f"{why} (log lines that cannot be written are dropped)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # pragma: no cover - stderr itself is gone
+            pass
+
+    def close(self) -> None:
+        """Close the file; lines still buffered that cannot be written (reported once) are dropped."""
+        try:
+            super().close()
+        except OSError:
+            self.stream = None
+
+
 def setup_logger(name: str, path: Path | None = None, *, console: bool = False, fmt: str = "%(asctime)s : %(message)s",
                  ) -> logging.Logger:
-    """A logger that appends to ``path`` (never truncates) and optionally echoes to stdout; flushed per line."""
+    """A logger that appends to ``path`` (never truncates) and optionally echoes to stdout; flushed per line. A
+    line that cannot be written to ``path`` (a full disk) is dropped; the first such failure is reported in one line
+    on stderr (``LogFileHandler``)."""
     logger = logging.getLogger(name)
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -44,7 +70,7 @@ def setup_logger(name: str, path: Path | None = None, *, console: bool = False, 
         h.close()
     formatter = logging.Formatter(fmt)
     if path is not None:
-        fh = logging.FileHandler(path, mode="a")
+        fh = LogFileHandler(path, mode="a")
         fh.setFormatter(formatter)
         logger.addHandler(fh)
     if console:

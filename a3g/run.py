@@ -29,8 +29,11 @@ JOIN_SECONDS = 8.0  # stopped processes get this long to exit; then all are term
 
 
 def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState, elapsed_offset: float = 0.0,
-           monitor: bool = True, average_model: A3Clstm | None = None) -> list[tuple[str, mp.Process]]:
-    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes.
+           monitor: bool = True, average_model: A3Clstm | None = None,
+           procs: list[tuple[str, mp.Process]] | None = None) -> list[tuple[str, mp.Process]]:
+    """Start the monitor (unless ``monitor`` is False) and ``--workers`` training processes; returns ``procs`` (a
+    new list by default), to which each process is appended as soon as it has started, so that a caller
+    interrupted during the launch (a second Ctrl-C) still knows every process it has to stop.
 
     ``average_model`` (``--ema-steps``): the moving average of the weights, which each worker updates after its
     step and the monitor plays instead of the shared weights.
@@ -43,7 +46,7 @@ def launch(ctx, args: Namespace, shared_model: A3Clstm, optimizer, run: RunState
     todo = [("monitor", test, (args, played, run, elapsed_offset))] if monitor else []
     todo += [(f"worker {rank}", train, (rank, args, shared_model, optimizer, run, average_model))
              for rank in range(args.workers)]
-    procs = []
+    procs = [] if procs is None else procs
     for role, target, target_args in todo:
         p = ctx.Process(target=target, args=target_args, name=role)
         lifeline.start_child(p)
@@ -79,9 +82,9 @@ class A3gRun(Mode):
         return a3g_slot(self.run, role)
 
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
-        self.procs = launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset,
-                            average_model=self.average_model)
-        return self.procs
+        self.procs = []
+        return launch(ctx, self.args, self.shared_model, self.optimizer, self.run, elapsed_offset,
+                      average_model=self.average_model, procs=self.procs)
 
     def expected_exit(self, role: str, process: mp.Process, budget_reached: bool) -> bool:
         """A worker ends on its own at the step budget."""

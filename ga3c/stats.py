@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from checkpoint import CheckpointWriteError, write_error_message
+
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
 EMA = 0.99
 STATS_LINE = ("[Time: %8d] [Episode: %8d Score: %10.4f] [RScore: %10.4f RPPS: %5d] "
@@ -278,11 +280,19 @@ class ResultsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, episode: Episode) -> None:
-        self._file.write(results_line(episode.time, episode.score, episode.length))
-        self._file.flush()
+        """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""
+        try:
+            self._file.write(results_line(episode.time, episode.score, episode.length))
+            self._file.flush()
+        except OSError as e:
+            raise CheckpointWriteError(write_error_message(self.path, e)) from e
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file; a line left unwritten by a failed ``write`` (already reported) is dropped."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> "ResultsWriter":
         return self

@@ -811,6 +811,71 @@ def test_full_disk_from_the_start(launch, tmp_path):
     full_disk_case(launch, tmp_path, model_file_size() // 2, expect_a_file=False)  # not even a .dat fits
 
 
+DEV_FULL = Path("/dev/full")  # every write fails with ENOSPC: a full disk without a mount
+
+
+needs_dev_full = pytest.mark.skipif(not DEV_FULL.exists(), reason="needs /dev/full (Linux)")
+
+
+@needs_dev_full
+def test_a_log_on_a_full_disk_is_one_line_on_stderr_and_the_process_goes_on(capfd):
+    """Before, every record that failed printed logging's traceback ('--- Logging error ---'): 62 of them in a
+    short run whose log folder was full."""
+    from utils import setup_logger
+    log = setup_logger("faults.full-log", DEV_FULL)
+    try:
+        for i in range(5):
+            log.info(f"line {i}")
+    finally:
+        for h in list(log.handlers):
+            log.removeHandler(h)
+            h.close()
+    err = capfd.readouterr().err
+    assert err.splitlines() == [f"could not write {DEV_FULL}: the disk is full (No space left on device); free space "
+                                "or use another folder (log lines that cannot be written are dropped)"], err
+
+
+@needs_dev_full
+def test_the_monitor_csv_and_ga3c_results_on_a_full_disk_raise_one_line():
+    """The monitor's CSV (its header, or a game's row) and GA3C's results.txt: ``CheckpointWriteError`` naming the
+    file, which a process reports as one line (``describe_failure``) and main as its stop reason. Before, an
+    OSError: the monitor's report was a traceback, and main left its loop with one."""
+    from checkpoint import CheckpointWriteError
+    from ga3c.stats import Episode, ResultsWriter
+    from test import open_csv
+    from utils import describe_failure
+    with pytest.raises(CheckpointWriteError) as e:
+        open_csv(DEV_FULL)
+    assert describe_failure(e.value) == f"could not write {DEV_FULL}: the disk is full (No space left on device); " \
+                                        f"free space or use another folder"
+    writer = ResultsWriter(DEV_FULL)
+    with pytest.raises(CheckpointWriteError, match=f"could not write {DEV_FULL}: the disk is full"):
+        writer.write(Episode(time=1.0, score=-21.0, length=100, slot=0))
+    writer.close()  # the line left in its buffer is dropped, not raised again
+
+
+def test_a_lock_file_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk at start-up: the lock's pid cannot be written. Before, an OSError traceback, exit 1, and an
+    empty ``.lock`` left behind; now ``CheckpointWriteError`` (main: one line, exit 2), and the folders and lock
+    files this attempt made are removed."""
+    import errno
+    from argparse import Namespace
+    import checkpoint
+    import main
+    from checkpoint import CheckpointWriteError
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.os, "pwrite", pwrite)
+    args = Namespace(save_model_dir=str(tmp_path / "a/models"), log_dir=str(tmp_path / "a/logs"), env=ENV_ID)
+    with pytest.raises(CheckpointWriteError) as e:
+        main.take_locks(args)
+    assert str(e.value) == (f"could not write {tmp_path / 'a/models/.lock'}: the disk is full (No space left on "
+                            f"device); free space or use another folder")
+    assert sorted(os.listdir(tmp_path)) == [], "take_locks left what it made"
+
+
 # --------------------------------------------------------------------------- 8. a worker's huge error
 def fault_env(fault: str, fired: Path) -> dict:
     return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),

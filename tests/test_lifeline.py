@@ -196,3 +196,39 @@ def test_a_ctrl_c_caught_by_another_thread_during_a_start_leaves_no_traceback(tm
     else:
         assert err == "" and out == "interrupted; the child's exit code: -9\n", out + err
     assert not processes_left(proc.pid), "the child was left running"
+
+
+TWICE = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import lifeline
+    stop = lifeline.StopSignals("prog").install()
+    if {armed}:
+        stop.arm()
+    os.kill(os.getpid(), signal.{first})
+    time.sleep(0.1)  # the first is handled before the second arrives
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(5)
+    print("went on", flush=True)
+""")
+
+
+@pytest.mark.parametrize("first, armed, code, line", [
+    ("SIGINT", False, 130, "prog: interrupted (Ctrl-C) during start-up; nothing written"),
+    ("SIGTERM", False, 143, "prog: terminated (SIGTERM) during start-up; nothing written"),
+    ("SIGINT", True, 5, ""),
+])
+def test_a_second_stop_signal_before_arm_ends_the_process_in_one_line(tmp_path, first, armed, code, line):
+    """``StopSignals("prog")``: until ``arm()``, a second stop signal ends the process at once, one line on stderr
+    and the first signal's exit code (main.py's imports and checks: before, a traceback out of whatever import was
+    running); once armed, it raises ``KeyboardInterrupt`` for the caller to stop what it started."""
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE.format(root=str(ROOT), armed=armed, first=first))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip() == line, r.stderr
+    assert ("KeyboardInterrupt" in r.stdout) == armed and "went on" not in r.stdout, r.stdout

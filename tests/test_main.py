@@ -325,8 +325,8 @@ class FakeProcess:
     budget and then a worker that exited, and reports a crash.
     """
 
-    def __init__(self, run, rank=None, last_steps=0):
-        self.run, self.rank, self.last_steps = run, rank, last_steps
+    def __init__(self, run, rank=None, last_steps=0, last_code=0):
+        self.run, self.rank, self.last_steps, self.last_code = run, rank, last_steps, last_code
         self.exitcode = None
         self.asked = 0
         self.pid = 0
@@ -336,7 +336,7 @@ class FakeProcess:
         if self.exitcode is None:
             if self.last_steps and self.asked >= 2:
                 self.run.add_steps(self.rank, self.last_steps)  # counts its last steps, then exits
-                self.exitcode = 0
+                self.exitcode = self.last_code
             elif not self.last_steps and self.run.stop.is_set():
                 self.exitcode = 0  # stopped through the flag, as a real child does
         return self.exitcode is None
@@ -364,22 +364,31 @@ def in_process_args(tmp_path, *extra):
     return args
 
 
-def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_steps):
+def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_steps, last_code=0,
+                            interrupt_launch=False):
     """main.run_training, in-process, with fake children: worker 0 and the monitor keep going, worker 1 counts
-    ``last_steps`` more and exits 0 on main's second look. Returns (exit code, main's log, fake processes)."""
+    ``last_steps`` more and exits ``last_code`` on main's second look. With ``interrupt_launch``, the launch
+    raises ``KeyboardInterrupt`` (a second Ctrl-C) after starting the monitor, as ``lifeline.start_child`` does.
+    Returns (exit code, main's log, fake processes)."""
     import a3g.run
     import lifeline
     import main
 
     fakes = {}
 
-    def fake_launch(ctx, args, shared_model, optimizer, run, elapsed_offset=0.0, monitor=True, average_model=None):
+    def fake_launch(ctx, args, shared_model, optimizer, run, elapsed_offset=0.0, monitor=True, average_model=None,
+                    procs=None):
+        procs = [] if procs is None else procs
         run.add_steps(0, counted_before)
         fakes.update({"monitor": FakeProcess(run), "worker 0": FakeProcess(run, 0),
-                      "worker 1": FakeProcess(run, 1, last_steps=last_steps)})
+                      "worker 1": FakeProcess(run, 1, last_steps=last_steps, last_code=last_code)})
         for slot in range(run.workers + 1):
             run.mark_ready(slot)
-        return list(fakes.items())
+        for role, p in fakes.items():
+            procs.append((role, p))
+            if interrupt_launch:
+                raise KeyboardInterrupt
+        return procs
 
     def no_real_child(process):
         raise AssertionError("run_training started a real child: a3g.run.launch is no longer where children start")
@@ -419,6 +428,62 @@ def test_a_worker_that_exits_short_of_the_budget_is_still_a_crash(tmp_path, monk
     assert fakes["worker 1"].exitcode == 0
     assert "stopped: worker 1 exited unexpectedly (exit code 0);" in log, log
     assert code == 1, log
+
+
+def test_a_worker_that_crashes_in_the_tick_the_budget_is_reached_is_still_a_crash(tmp_path, monkeypatch):
+    """A process that died is reported before a stop condition met at the same look: worker 1 counts the last
+    steps to the budget and exits 1 between two of main's reads. Checked the other way round, the run stopped
+    with 0 at --max-steps and the crash went unsaid."""
+    code, log, fakes = run_training_with_fakes(tmp_path, monkeypatch, budget=100, counted_before=60, last_steps=40,
+                                               last_code=1)
+    assert fakes["worker 1"].exitcode == 1
+    assert "stopped: worker 1 exited unexpectedly (exit code 1);" in log, log
+    assert code == 1, log
+
+
+def test_a_second_ctrl_c_during_the_launch_stops_the_processes_already_started(tmp_path, monkeypatch):
+    """A KeyboardInterrupt out of the launch (a second stop signal while children start) leaves main without the
+    launch's return value: the processes started so far (``mode.procs``) are stopped all the same. Before, main
+    stopped none of them and said that no process was started."""
+    code, log, fakes = run_training_with_fakes(tmp_path, monkeypatch, budget=100, counted_before=0, last_steps=0,
+                                               interrupt_launch=True)
+    assert code == 130, log
+    assert fakes["monitor"].exitcode is not None and fakes["monitor"].asked > 0  # shut down through the stop flag
+    assert "stopped: interrupted (Ctrl-C);" in log and "no process was started" not in log, log
+
+
+@pytest.mark.parametrize("error", ["write", "bug"])
+def test_a_failure_of_main_itself_mid_run_ends_it_in_one_line_after_the_final_checkpoint(tmp_path, monkeypatch,
+                                                                                          error):
+    """A file main cannot write while the run goes on (GA3C's results.txt on a full disk: ``tick`` and again in
+    ``close``) ends the run with that one line and exit 1, the processes stopped and the final checkpoint
+    written; so does any other exception of the main loop, its traceback logged. Before, the exception left the
+    loop, ``close`` raised it again, and the final checkpoint was never tried."""
+    from a3g.run import A3gRun
+    from checkpoint import CheckpointWriteError
+    line = "could not write /x/results.txt: the disk is full (No space left on device); free space or use another folder"
+    boom = CheckpointWriteError(line) if error == "write" else RuntimeError("boom")
+    ticks = []
+
+    def tick(self, now):
+        ticks.append(now)
+        if len(ticks) >= 2:
+            raise boom
+
+    def close(self):
+        raise boom
+
+    monkeypatch.setattr(A3gRun, "tick", tick)
+    monkeypatch.setattr(A3gRun, "close", close)
+    code, log, fakes = run_training_with_fakes(tmp_path, monkeypatch, budget=1000, counted_before=60, last_steps=0)
+    assert code == 1, log
+    stop = [x for x in log.splitlines() if "stopped:" in x]
+    want = line if error == "write" else "the main process failed: RuntimeError: boom"
+    assert len(stop) == 1 and f"stopped: {want};" in stop[0], log
+    assert ("Traceback" in log) == (error == "bug"), log
+    assert all(p.exitcode is not None for p in fakes.values())
+    ckpt = torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)
+    assert ckpt["global_steps"] == 60 and "checkpoint " in stop[0], log
 
 
 def test_exited_unexpectedly_accepts_only_a_worker_at_the_budget(tmp_path):
