@@ -274,12 +274,29 @@ def test_the_random_policy_is_uniform_and_seeded():
 
 
 def bad_eval(tmp_path, *args, env_extra=None):
-    r = run_entry("gym_eval.py", "--log-dir", str(tmp_path / "logs"), *args, cwd=tmp_path, env_extra=env_extra,
-                  timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("gym_eval.py: error: ") and "Traceback" not in r.stderr
-    assert not (tmp_path / "logs").exists()
+    """``gym_eval.main`` run in this process, in ``tmp_path``, on input it must refuse before any game: returns its
+    one error line (exit 2, nothing on stdout, no log). In-process to keep the suite short; the same checks as a
+    process (exit status, the one line on the real stderr) are proven by the subprocess cases below and by
+    test_faults.py's broken files."""
+    import contextlib
+    import io
+    import gym_eval
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.chdir(tmp_path)
+        for name, value in (env_extra or {}).items():
+            mp.setenv(name, value)
+        threads = torch.get_num_threads()
+        try:
+            code = gym_eval.main(["--log-dir", str(tmp_path / "logs"), *args])
+        except SystemExit as e:
+            code = e.code
+        finally:
+            torch.set_num_threads(threads)
+    assert code == 2, (code, out.getvalue(), err.getvalue())
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gym_eval.py: error: ") and "Traceback" not in err.getvalue()
+    assert not out.getvalue() and not (tmp_path / "logs").exists()
     return lines[0]
 
 
