@@ -160,9 +160,11 @@ class RunLock:
                                      f"or pass {flag} DIR with another folder") from None
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as e:
+        except BaseException as e:  # the descriptor is closed whatever interrupted the locking
             self.release()
-            raise CheckpointWriteError(write_error_message(self.path, e)) from e
+            if isinstance(e, OSError):
+                raise CheckpointWriteError(write_error_message(self.path, e)) from e
+            raise
 
     def release(self) -> None:
         if self.fd is not None:

@@ -105,7 +105,7 @@ def take_locks(args: Namespace) -> list[RunLock]:
             except OSError as e:
                 raise CheckpointWriteError(write_error_message(folder, e)) from e
             locks.append(RunLock(folder, flag, name))
-    except (RunLockedError, CheckpointWriteError):
+    except BaseException:  # another run's lock, a full disk, or a second Ctrl-C: leave nothing of this attempt
         for lock in locks:
             lock.release()
         for path in new_files:
@@ -418,14 +418,22 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.flush()
                 os._exit(stop.exit_code)
             return stop.exit_code
+    locks: list[RunLock] = []
     try:
-        locks = take_locks(args)
-    except (RunLockedError, CheckpointWriteError) as e:
-        if ray_module is not None:
-            ray_module.shutdown()
-        fail([str(e)])
-    try:
+        try:
+            locks = take_locks(args)
+        except (RunLockedError, CheckpointWriteError) as e:
+            if ray_module is not None:
+                ray_module.shutdown()
+            fail([str(e)])
         code = run_training(args, argv, stop, n_actions, resume_ckpt, resume_sd, resume_path, ray_module)
+    except KeyboardInterrupt:  # a second stop signal before run_training's own handling began: nothing started
+        why = stop.reason if stop.signal is not None else "interrupted (Ctrl-C)"
+        print(f"main.py: {why} before training started; no process was started", file=sys.stderr)
+        code = stop.exit_code or 130
+        if ray_module is not None:
+            from multinode.run import shutdown_quietly
+            shutdown_quietly(args.ray_address == "local")  # shutdown_hung() below says whether it finished
     finally:
         for lock in locks:
             lock.release()
@@ -635,8 +643,10 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                      "where that schedule puts it")
         elif checkpoint_path(args.save_model_dir, args.env).is_file():
             log.info(f"resume with: {resume_command(argv, args, reason)}")
-        if tb is not None and attempt(tb.close, log):
+        line = attempt(tb.close, log) if tb is not None else ""
+        if line:
             code = 1
+            log.info(f"main.py: error: {line}")
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return code
@@ -646,5 +656,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # a second stop signal outside the run's own handling; what was started is stopped
-        print(f"main.py: {STOP.reason}", file=sys.stderr)
+        print(f"main.py: {STOP.reason if STOP.signal is not None else 'interrupted (Ctrl-C)'}", file=sys.stderr)
         sys.exit(STOP.exit_code or 130)

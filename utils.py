@@ -34,16 +34,20 @@ def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
 
 
 class LogFileHandler(logging.FileHandler):
-    """``logging.FileHandler`` whose failed writes (a full disk) are reported once, in one line on stderr, instead
-    of a traceback per record; the lines it could not write are lost, the process goes on."""
+    """``logging.FileHandler`` whose failed writes (an ``OSError``: a full disk) are reported once, in one line on
+    stderr, instead of a traceback per record; the lines it could not write are lost, the process goes on. Other
+    errors (a record that cannot be formatted) get logging's own report."""
 
     def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if not isinstance(e, OSError):  # not the file: a bad format string, say; logging's own report
+            super().handleError(record)
+            return
         if getattr(self, "_reported", False):
             return
         self._reported = True
         from checkpoint import write_error_message
-        e = sys.exc_info()[1]
-        why = write_error_message(Path(self.baseFilename), e) if e is not None else f"could not write {self.baseFilename}"
+        why = write_error_message(Path(self.baseFilename), e)
         try:
             print(f"{why} (log lines that cannot be written are dropped)", file=sys.stderr, flush=True)
         except (OSError, ValueError):  # pragma: no cover - stderr itself is gone

@@ -239,7 +239,9 @@ class Ga3cRun(Mode):
         return line, scalars
 
     def close(self) -> None:
-        self.tick(time.time())  # the games that ended during the shutdown
-        if self.results is not None:
-            self.results.close()
-            self.results = None
+        try:
+            self.tick(time.time())  # the games that ended during the shutdown
+        finally:  # also where results.txt still cannot be written (tick raised CheckpointWriteError)
+            if self.results is not None:
+                self.results.close()
+                self.results = None

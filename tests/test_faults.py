@@ -836,6 +836,42 @@ def test_a_log_on_a_full_disk_is_one_line_on_stderr_and_the_process_goes_on(capf
 
 
 @needs_dev_full
+def test_a_log_record_that_cannot_be_formatted_is_not_taken_for_a_full_disk(capfd):
+    """Only an OSError is the file's: a bad format string gets logging's own report, and a later full disk is
+    still said (before, the format error was reported as the disk's, and the disk's own failure then went
+    unsaid)."""
+    from utils import setup_logger
+    log = setup_logger("faults.bad-format", DEV_FULL)
+    try:
+        log.info("%d games", "three")
+        log.info("line")
+    finally:
+        for h in list(log.handlers):
+            log.removeHandler(h)
+            h.close()
+    err = capfd.readouterr().err
+    assert "--- Logging error ---" in err and "could not write /dev/full: %d format" not in err, err
+    assert err.count(f"could not write {DEV_FULL}: the disk is full") == 1, err
+
+
+def test_ga3c_closes_its_results_file_even_when_the_last_games_cannot_be_written():
+    """``Ga3cRun.close`` writes the games that ended during the shutdown, then closes ``results.txt``: where that
+    write fails again (the disk still full), the file is closed all the same and the error goes on to main."""
+    from types import SimpleNamespace
+    from checkpoint import CheckpointWriteError
+    from ga3c.run import Ga3cRun
+    closed = []
+
+    def tick(now):
+        raise CheckpointWriteError("could not write results.txt: the disk is full")
+
+    mode = SimpleNamespace(tick=tick, results=SimpleNamespace(close=lambda: closed.append(True)))
+    with pytest.raises(CheckpointWriteError):
+        Ga3cRun.close(mode)
+    assert closed == [True] and mode.results is None
+
+
+@needs_dev_full
 def test_the_monitor_csv_and_ga3c_results_on_a_full_disk_raise_one_line():
     """The monitor's CSV (its header, or a game's row) and GA3C's results.txt: ``CheckpointWriteError`` naming the
     file, which a process reports as one line (``describe_failure``) and main as its stop reason. Before, an
@@ -854,10 +890,11 @@ def test_the_monitor_csv_and_ga3c_results_on_a_full_disk_raise_one_line():
     writer.close()  # the line left in its buffer is dropped, not raised again
 
 
-def test_a_lock_file_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["full disk", "second Ctrl-C"])
+def test_a_lock_file_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, fault):
     """A full disk at start-up: the lock's pid cannot be written. Before, an OSError traceback, exit 1, and an
     empty ``.lock`` left behind; now ``CheckpointWriteError`` (main: one line, exit 2), and the folders and lock
-    files this attempt made are removed."""
+    files this attempt made are removed; so they are where a second Ctrl-C interrupts the locking."""
     import errno
     from argparse import Namespace
     import checkpoint
@@ -865,14 +902,17 @@ def test_a_lock_file_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_p
     from checkpoint import CheckpointWriteError
 
     def pwrite(fd, data, offset):
+        if fault == "second Ctrl-C":
+            raise KeyboardInterrupt
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoint.os, "pwrite", pwrite)
     args = Namespace(save_model_dir=str(tmp_path / "a/models"), log_dir=str(tmp_path / "a/logs"), env=ENV_ID)
-    with pytest.raises(CheckpointWriteError) as e:
+    with pytest.raises(CheckpointWriteError if fault == "full disk" else KeyboardInterrupt) as e:
         main.take_locks(args)
-    assert str(e.value) == (f"could not write {tmp_path / 'a/models/.lock'}: the disk is full (No space left on "
-                            f"device); free space or use another folder")
+    if fault == "full disk":
+        assert str(e.value) == (f"could not write {tmp_path / 'a/models/.lock'}: the disk is full (No space left on "
+                                f"device); free space or use another folder")
     assert sorted(os.listdir(tmp_path)) == [], "take_locks left what it made"
 
 

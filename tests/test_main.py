@@ -452,6 +452,64 @@ def test_a_second_ctrl_c_during_the_launch_stops_the_processes_already_started(t
     assert "stopped: interrupted (Ctrl-C);" in log and "no process was started" not in log, log
 
 
+def main_in_process(monkeypatch, tmp_path, stop):
+    """``main.main`` in this process with ``stop`` as the module's ``STOP`` (the handler main.py installs when run as
+    a script); the signal handlers it changes are put back. Returns its exit code."""
+    import main
+    monkeypatch.setattr(main, "STOP", stop, raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return main.main([*TINY, *dirs(tmp_path), "--max-steps", "100"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        import logging
+        logger = logging.getLogger("main.PongNoFrameskip-v4")
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+
+
+def test_main_arms_its_stop_signals_before_it_starts_anything(tmp_path, monkeypatch):
+    """main.py's handler ends the process at once on a second stop signal during the imports and checks; main()
+    must arm it (a second signal raises KeyboardInterrupt) before it takes locks or starts a process, or a second
+    Ctrl-C during the launch would exit with "nothing written" and skip the shutdown and the final checkpoint."""
+    import a3g.run
+    import lifeline
+    stop = lifeline.StopSignals("main.py")
+    seen = []
+
+    def fake_launch(*a, **k):
+        seen.append(stop.prog)
+        raise KeyboardInterrupt  # a second Ctrl-C before the first process started
+
+    monkeypatch.setattr(a3g.run, "launch", fake_launch)
+    assert main_in_process(monkeypatch, tmp_path, stop) == 130
+    assert seen == [None], f"the launch ran with the start-up handler still unarmed: {seen}"
+
+
+def test_a_second_ctrl_c_before_the_run_proper_is_one_line_and_stops_nothing_it_did_not_start(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A KeyboardInterrupt (a second stop signal) after the locks were taken and before run_training's own handling
+    (building the model, the mode, the logger): one line, the first signal's exit code, the locks released, no
+    process started. Before, a traceback."""
+    import lifeline
+    import main
+
+    stop = lifeline.StopSignals("main.py")
+
+    def interrupted(folder):
+        stop.signal = signal.SIGTERM  # a first signal, then the second one's KeyboardInterrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main, "remove_stale_temp_files", interrupted)
+    assert main_in_process(monkeypatch, tmp_path, stop) == 143
+    err = capsys.readouterr().err
+    assert err == "main.py: terminated (SIGTERM) before training started; no process was started\n", err
+    from checkpoint import RunLock
+    RunLock(tmp_path / "models").release()  # the lock was released: another run can take it
+
+
 @pytest.mark.parametrize("error", ["write", "bug"])
 def test_a_failure_of_main_itself_mid_run_ends_it_in_one_line_after_the_final_checkpoint(tmp_path, monkeypatch,
                                                                                           error):
