@@ -1,5 +1,7 @@
 """main.py as a subprocess with tiny budgets: what it writes, resuming, stopping, and bad input."""
+import contextlib
 import csv
+import logging
 import os
 import re
 import signal
@@ -364,6 +366,22 @@ def in_process_args(tmp_path, *extra):
     return args
 
 
+@contextlib.contextmanager
+def main_left_as_found():
+    """Around main's code run in this process: the SIGINT/SIGTERM handlers it changes are put back, and its log's
+    file handler closed."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        logger = logging.getLogger("main.PongNoFrameskip-v4")
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+
+
 def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_steps, last_code=0,
                             interrupt_launch=False):
     """main.run_training, in-process, with fake children: worker 0 and the monitor keep going, worker 1 counts
@@ -397,17 +415,8 @@ def run_training_with_fakes(tmp_path, monkeypatch, budget, counted_before, last_
     monkeypatch.setattr(lifeline, "start_child", no_real_child)  # never train for real if the fake is bypassed
     args = in_process_args(tmp_path, "--max-steps", str(budget))
     (tmp_path / "models").mkdir()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with main_left_as_found():
         code = main.run_training(args, [], lifeline.StopSignals(), 6, None, None, None)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        import logging
-        logger = logging.getLogger("main.PongNoFrameskip-v4")
-        for h in list(logger.handlers):
-            logger.removeHandler(h)
-            h.close()
     return code, (tmp_path / "logs/PongNoFrameskip-v4_train.log").read_text(), fakes
 
 
@@ -457,17 +466,8 @@ def main_in_process(monkeypatch, tmp_path, stop):
     a script); the signal handlers it changes are put back. Returns its exit code."""
     import main
     monkeypatch.setattr(main, "STOP", stop, raising=False)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with main_left_as_found():
         return main.main([*TINY, *dirs(tmp_path), "--max-steps", "100"])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        import logging
-        logger = logging.getLogger("main.PongNoFrameskip-v4")
-        for h in list(logger.handlers):
-            logger.removeHandler(h)
-            h.close()
 
 
 def test_main_arms_its_stop_signals_before_it_starts_anything(tmp_path, monkeypatch):
