@@ -19,6 +19,7 @@ One run at a time writes into a folder: ``RunLock`` holds an ``flock`` on ``<fol
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -79,6 +80,16 @@ def write_error_message(path: Path, e: BaseException) -> str:
         return f"could not write {path}: {os_error.strerror or os_error}"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"could not write {path}: {first[:200]}"
+
+
+@contextlib.contextmanager
+def write_errors(path: str | Path):
+    """``with write_errors(path):`` an ``OSError`` inside (a full disk) is raised as ``CheckpointWriteError``, one
+    line naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointWriteError(write_error_message(Path(path), e)) from e
 
 
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")

@@ -47,7 +47,7 @@ from a3g.run import A3gRun, shutdown  # noqa: E402
 from averaging import average_line, make_average  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
-                        read_weights, remove_stale_temp_files, state_dict_of, write_error_message)
+                        read_weights, remove_stale_temp_files, state_dict_of, write_errors)
 from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
                     greedy_slots_line, short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
@@ -100,10 +100,8 @@ def take_locks(args: Namespace) -> list[RunLock]:
     locks = []
     try:
         for folder, flag, name in wanted:
-            try:
+            with write_errors(folder):
                 folder.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise CheckpointWriteError(write_error_message(folder, e)) from e
             locks.append(RunLock(folder, flag, name))
     except BaseException:  # another run's lock, a full disk, or a second Ctrl-C: leave nothing of this attempt
         for lock in locks:
@@ -609,17 +607,18 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         shutdown(procs, run, slot_of=mode.slot_of)
         # Each step below is attempted whatever the one before it raised, so that the final checkpoint is always
         # tried: a failure is one more line, and the exit code 1.
-        failures = [attempt(mode.close, log)]
-        if procs:  # the last stretch's losses and speed, so that even a short run logs them once
-            span = max(time.time() - last_status, 1e-9)
-            failures.append(attempt(lambda: report_status(log, tb, mode, run.global_steps.value,
-                                                          (run.global_steps.value - status_steps) / span, span, args),
-                                    log))
-        for line in failures:
+        def failed(line: str) -> None:
+            nonlocal code
             if line:
                 code = 1
                 if line != reason:
                     log.info(f"main.py: error: {line}")
+
+        failed(attempt(mode.close, log))
+        if procs:  # the last stretch's losses and speed, so that even a short run logs them once
+            span = max(time.time() - last_status, 1e-9)
+            failed(attempt(lambda: report_status(log, tb, mode, run.global_steps.value,
+                                                 (run.global_steps.value - status_steps) / span, span, args), log))
         for role, text in run.errors.read_all() + mode.errors():
             code = 1
             log.info(f"{role} failed:\n{text.rstrip()}")
@@ -643,10 +642,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                      "where that schedule puts it")
         elif checkpoint_path(args.save_model_dir, args.env).is_file():
             log.info(f"resume with: {resume_command(argv, args, reason)}")
-        line = attempt(tb.close, log) if tb is not None else ""
-        if line:
-            code = 1
-            log.info(f"main.py: error: {line}")
+        if tb is not None:
+            failed(attempt(tb.close, log))
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return code

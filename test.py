@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointWriteError, atomic_save, cpu_state_dict, model_path, write_error_message
+from checkpoint import CheckpointWriteError, atomic_save, cpu_state_dict, model_path, write_errors
 from config import config_dict
 from environment import atari_env, load_env_config, normalizer
 from model import A3Clstm
 from player_util import play_game, sync_weights
 from precision import compute_dtype
 from run_state import RunState
-from utils import (describe_failure, end_child_process, format_duration, safe_name, setup_child_process,
-                   setup_logger, use_device, worker_device)
+from utils import (close_quietly, describe_failure, end_child_process, format_duration, safe_name,
+                   setup_child_process, setup_logger, use_device, worker_device)
 
 CSV_FIELDS = ["wall_time", "elapsed_s", "global_steps", "score", "length", "steps_per_s", "reward_mean",
               "window_mean"]
@@ -82,24 +82,17 @@ def open_csv(path: Path):
     f = open(path, "a", newline="")
     writer = csv.writer(f)
     try:
-        if new:
-            writer.writerow(CSV_FIELDS)
-            f.flush()
-        elif not ended:
-            f.write("\r\n")
-            f.flush()
-    except OSError as e:
+        with write_errors(path):
+            if new:
+                writer.writerow(CSV_FIELDS)
+                f.flush()
+            elif not ended:
+                f.write("\r\n")
+                f.flush()
+    except CheckpointWriteError:
         close_quietly(f)
-        raise CheckpointWriteError(write_error_message(path, e)) from e
+        raise
     return f, writer
-
-
-def close_quietly(f) -> None:
-    """Close ``f``; a write it still holds that fails again (already reported) is dropped."""
-    try:
-        f.close()
-    except OSError:
-        pass
 
 
 def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
@@ -149,12 +142,10 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
             console.info(f"[monitor] steps {steps:,} ({rate:.0f} steps/s) | game {int(games)}: score {score:.10g}, "
                          f"length {length}, mean {reward_mean:.2f}"
                          + (f", last {run.recent.numel()} mean {window_mean:.2f}" if window_mean is not None else ""))
-            try:
+            with write_errors(csv_path(args.log_dir, args.env)):  # a full disk: one line, not a traceback
                 writer.writerow([f"{now:.3f}", f"{elapsed:.1f}", steps, score, length, f"{rate:.1f}",
                                  f"{reward_mean:.4f}", "" if window_mean is None else f"{window_mean:.4f}"])
                 f.flush()
-            except OSError as e:  # a full disk: one line (describe_failure), not a traceback
-                raise CheckpointWriteError(write_error_message(csv_path(args.log_dir, args.env), e)) from e
             if tb is not None:
                 tb.add_scalar("charts/episode_reward", score, steps)
                 tb.add_scalar("charts/episode_length", length, steps)

@@ -33,6 +33,14 @@ def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
     return json.dumps(obj)
 
 
+def close_quietly(f) -> None:
+    """Close the file ``f``; a write it still holds that fails again (a full disk, already reported) is dropped."""
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
 class LogFileHandler(logging.FileHandler):
     """``logging.FileHandler`` whose failed writes (an ``OSError``: a full disk) are reported once, in one line on
     stderr, instead of a traceback per record; the lines it could not write are lost, the process goes on. Other

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from checkpoint import CheckpointWriteError, write_error_message
+from checkpoint import write_errors
+from utils import close_quietly
 
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
 EMA = 0.99
@@ -281,18 +282,13 @@ class ResultsWriter:
 
     def write(self, episode: Episode) -> None:
         """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""
-        try:
+        with write_errors(self.path):
             self._file.write(results_line(episode.time, episode.score, episode.length))
             self._file.flush()
-        except OSError as e:
-            raise CheckpointWriteError(write_error_message(self.path, e)) from e
 
     def close(self) -> None:
         """Close the file; a line left unwritten by a failed ``write`` (already reported) is dropped."""
-        try:
-            self._file.close()
-        except OSError:
-            pass
+        close_quietly(self._file)
 
     def __enter__(self) -> "ResultsWriter":
         return self
