@@ -332,13 +332,17 @@ def validate_common(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def validate_gpu_ids(gpu_ids: list[int], flag: str = "--gpu-ids") -> list[str]:
+def validate_gpu_ids(gpu_ids: list[int], flag: str = "--gpu-ids", machine: bool = True) -> list[str]:
+    """Problems with ``gpu_ids``: -1 given more than once or beside GPU ids; with ``machine``, GPU ids that this
+    machine does not have."""
     if all(g < 0 for g in gpu_ids):
         if len(gpu_ids) > 1:
             return [f"{flag}: give -1 once for the CPU"]
         return []
     if any(g < 0 for g in gpu_ids):
         return [f"{flag}: do not mix -1 (CPU) with GPU ids {gpu_ids}"]
+    if not machine:
+        return []
     if not torch.cuda.is_available():
         return [f"{flag} {' '.join(map(str, gpu_ids))}: CUDA is not available on this machine "
                 f"(torch {torch.__version__}); use {flag} -1 to train on the CPU"]
@@ -404,8 +408,9 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors += validate_train_envs(args)
     errors += other_mode_flags(args)
     errors += validate_ray(args)
-    if args.ray_address is None:  # on Ray, the GPUs are the nodes' (checked against the cluster's)
-        errors += validate_gpu_ids(args.gpu_ids)
+    # on a Ray cluster the GPUs are the nodes' (checked against the cluster's); a ``local`` cluster's are this
+    # machine's
+    errors += validate_gpu_ids(args.gpu_ids, machine=args.ray_address in (None, "local"))
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
     errors += validate_dir(args.log_dir, "--log-dir")
     if not any("--gpu-ids" in e for e in errors):

@@ -28,16 +28,19 @@ POLL_SECONDS = 0.5  # how often the guard notes the driver's descendants
 _guard: subprocess.Popen | None = None  # the driver's guard; its stdin is the pipe whose end ends the guard
 
 
-def session_processes(driver: int) -> list:
-    """Live processes of the ``local`` Ray cluster started by process ``driver``: Ray names the cluster's session
-    after the pid of the process that started it, and gives its processes ``--session-name`` (a worker whose raylet
-    died is re-parented away from the driver, so it cannot be found as its descendant)."""
+def session_processes(driver: int, since: float) -> list:
+    """Live processes of the ``local`` Ray cluster started by process ``driver``, which was created at ``since``
+    (psutil's ``create_time``): Ray names the cluster's session after the pid of the process that started it, and
+    gives its processes ``--session-name`` (a worker whose raylet died is re-parented away from the driver, so it
+    cannot be found as its descendant). A process created before the driver is another cluster's: one that
+    ``ray start`` began under the same pid, which its command freed when it exited."""
     import psutil
     suffix = f"_{driver}"
     found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
         args = p.info["cmdline"] or []
-        if any(a.startswith("--session-name=") and a.endswith(suffix) for a in args):
+        if (any(a.startswith("--session-name=") and a.endswith(suffix) for a in args)
+                and (p.info["create_time"] or 0.0) >= since):
             found.append(p)
     return found
 
@@ -77,6 +80,7 @@ def watch(driver: int, pipe: int, poll: float = POLL_SECONDS) -> None:
     noted: dict[int, psutil.Process] = {}
     try:
         root = psutil.Process(driver)
+        since = root.create_time()
     except psutil.Error:
         root = None
     while root is not None:
@@ -94,7 +98,7 @@ def watch(driver: int, pipe: int, poll: float = POLL_SECONDS) -> None:
             left.update({c.pid: c for c in p.children(recursive=True)})
         except psutil.Error:
             pass
-    left.update({p.pid: p for p in session_processes(driver)})
+    left.update({p.pid: p for p in session_processes(driver, since)})
     left.pop(me, None)
     kill_all(left.values())
 

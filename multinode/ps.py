@@ -142,7 +142,9 @@ class ParameterServer:
     def save(self, fields: dict, write_model: bool = False) -> tuple[bool, str]:
         """Write the full checkpoint (and with ``write_model`` the ``.dat``) atomically, as a single-machine run
         does. ``fields``: what the driver knows (monitor statistics, its normalisation row, elapsed time, config).
-        Returns ``(True, path)`` or ``(False, one-line reason)``; the previous files stay as they were on failure."""
+        Returns ``(True, path)`` or ``(False, one-line reason)``. Each file is replaced whole or not at all: a
+        failed ``.ckpt`` write leaves both files as they were; a failed ``.dat`` write leaves the new ``.ckpt`` (a
+        complete checkpoint) beside the previous ``.dat``, as a single-machine run's save does."""
         payload = self.payload or {}
         fields = dict(fields)
         monitor_row = fields.pop("monitor_norm_row")

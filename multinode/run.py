@@ -23,6 +23,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -89,19 +90,49 @@ def parse_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (a Ray head's control store, Ray
+# Client's server) answers with a SETTINGS frame of its own (a 9-byte frame header of type 4)
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+HTTP2_SETTINGS = 4
+
+
 def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
-    """Fail fast (one line) when an explicit address does not accept connections: ``ray.init`` would retry for
-    minutes."""
+    """Fail fast (one line) when an explicit address does not accept connections, or when what answers there does
+    not speak gRPC as a Ray head's port does (a web server, the dashboard's port): ``ray.init`` would retry for
+    minutes either way. With ``RAY_USE_TLS`` (Ray's gRPC over TLS) only the connection is checked."""
     hp = parse_address(address)
     if hp is None:
         return
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
     try:
-        with socket.create_connection(hp, timeout=timeout):
-            pass
+        with socket.create_connection(hp, timeout=timeout) as s:
+            first = b"" if tls else first_frame_header(s, timeout)
     except OSError as e:
         raise RayConnectError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the "
                               f"head with `ray start --head --port {hp[1]}` on {hp[0]}, or check the address "
                               f"and that the port is open") from None
+    if not tls and (len(first) < 9 or first[3] != HTTP2_SETTINGS):
+        raise RayConnectError(f"--ray-address {address}: something answers there, but not as a Ray head does (no "
+                              f"gRPC within {timeout:.0f} s); give the port that `ray start --head` printed (6379 "
+                              f"unless --port said otherwise), not the dashboard's (8265) or another service's")
+
+
+def first_frame_header(sock: socket.socket, timeout: float) -> bytes:
+    """Send ``HTTP2_PREFACE`` on ``sock`` and return the first 9 bytes of the answer (fewer if the peer closed,
+    reset or said nothing more within ``timeout`` seconds)."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        sock.sendall(HTTP2_PREFACE)
+        while len(data) < 9 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(9 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError:  # reset, or silent until the deadline
+        pass
+    return data
 
 
 class RayStopped(Exception):
@@ -121,13 +152,29 @@ def connect(args: Namespace, stop=None):
     ``RayStopped``, so that the caller stops the run as for any stop signal."""
     check_reachable(args.ray_address)
     try:
-        ray = _connect(args)
+        with lifeline.StartupWatch(stuck_connecting(args.ray_address),
+                                   pending=lambda: None if stop is None else stop.signal, grace=START_GRACE_SECONDS):
+            ray = _connect(args)
         if stop is not None:
             stop.install()
     except SystemExit as e:  # Ray's handler: sys.exit(SIGTERM)
         shutdown_quietly()
         raise RayStopped(e.code if isinstance(e.code, int) and e.code > 0 else signal.SIGTERM) from None
     return ray
+
+
+def stuck_connecting(address: str):
+    """``lifeline.StartupWatch``'s ``on_stuck`` while ``ray.init`` connects (a stop signal came and the call did
+    not return within ``START_GRACE_SECONDS``): one line on stderr, and a ``local`` cluster's processes killed."""
+    def on_stuck(signum: int) -> None:
+        try:
+            name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            print(f"main.py: {name} while connecting to Ray at {address}, which did not return within "
+                  f"{START_GRACE_SECONDS:.0f} s; nothing written", file=sys.stderr, flush=True)
+        finally:
+            if address == "local":
+                kill_local_cluster()
+    return on_stuck
 
 
 def shutdown_quietly(local: bool = True, timeout: float = SHUTDOWN_SECONDS) -> bool:
@@ -170,7 +217,7 @@ def kill_local_cluster(children: bool = True) -> None:
     import psutil
     me = psutil.Process()
     mine = {p.pid: p for p in me.children(recursive=True)} if children else {}
-    mine.update({p.pid: p for p in guard.session_processes(me.pid)})
+    mine.update({p.pid: p for p in guard.session_processes(me.pid, me.create_time())})
     for pid in (me.pid, guard.guard_pid()):
         mine.pop(pid, None)
     guard.kill_all(mine.values())
@@ -219,7 +266,8 @@ def _connect(args: Namespace):
         # monitor and the driver, which a single-machine run's workers share it with equally.
         os.environ.setdefault("RAY_worker_niceness", "0")
         guard.start()  # the cluster's processes end with this one, however it ends
-        kwargs.update(num_cpus=max(os.cpu_count() or 1, args.nodes * args.workers), num_gpus=gpus_needed(args) or None,
+        # the GPUs are the ones Ray finds on this machine (the check below wants --nodes x the ids of --gpu-ids)
+        kwargs.update(num_cpus=max(os.cpu_count() or 1, args.nodes * args.workers),
                       object_store_memory=max(256, 64 * args.nodes) * 1024 ** 2)
     try:
         with warnings.catch_warnings():
@@ -301,7 +349,9 @@ class RayRun(Mode):
         self._ps_status: dict | None = None
         self._status_prev: dict | None = None
         self._ps_down_since: float | None = None
-        self._joins = [0] * args.nodes
+        self._joins = [0] * args.nodes  # each node's joins as the parameter server counts them
+        self._starts = [0] * args.nodes  # each node's starts in this run, counted here (a restarted server's count
+        # of joins begins again at 0)
         self._polls: dict = {}
         self._node_down_since: list[float | None] = []
         self._node_error: list[str] = []
@@ -380,6 +430,7 @@ class RayRun(Mode):
         lifeline.mark_children()
         monitor_args = Namespace(**vars(self.args))
         monitor_args.seed = self.args.seed + self.args.nodes * self.args.workers
+        monitor_args.gpu_ids = [-1]  # the driver's monitor plays on its CPU: --gpu-ids are the nodes' GPUs
         p = ctx.Process(target=test, args=(monitor_args, self.shared_model, self.run, elapsed_offset), name="monitor")
         lifeline.start_child(p)
         self.procs = [("monitor", p)]
@@ -435,9 +486,10 @@ class RayRun(Mode):
         self._ps_status = status
         self.run.global_steps.slots[-1] = int(status["global_steps"])
         for i, n in enumerate(status["nodes"]):
-            if n["joins"] > self._joins[i]:
-                if self._joins[i] > 0:
-                    self.log.info(f"node {i} rejoined (start {n['joins']}) from the global weights at "
+            if n["joins"] > self._joins[i]:  # the node (re)started since the last status: count its starts here
+                self._starts[i] += n["joins"] - self._joins[i]
+                if self._starts[i] > 1:
+                    self.log.info(f"node {i} rejoined (start {self._starts[i]}) from the global weights at "
                                   f"{status['global_steps']:,} global steps")
                 self._joins[i] = n["joins"]
 

@@ -274,3 +274,18 @@ def test_main_in_ga3c_mode(tmp_path):
     ckpt = torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)
     assert ckpt["global_steps"] >= 600 and ckpt["ga3c_updates"] > 0
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
+
+
+@cuda
+def test_main_on_a_local_ray_cluster_with_a_gpu(tmp_path):
+    """``--ray-address local --gpu-ids 0``: the cluster gets the GPUs Ray finds on this machine, the node trains on
+    its GPU, the driver's monitor plays on the CPU; the run ends at its budget with its files written."""
+    pytest.importorskip("ray", reason="needs Ray: pip install -r requirements-ray.txt")
+    r = run_entry("main.py", "--ray-address", "local", "--nodes", "1", "--workers", "1", "--gpu-ids", "0",
+                  "--sync-seconds", "1", "--max-steps", "300", "--test-every-steps", "150",
+                  "--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), cwd=tmp_path,
+                  timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)
+    assert ckpt["global_steps"] >= 300
+    assert all(v.device.type == "cpu" for v in ckpt["model"].values())

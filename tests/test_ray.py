@@ -481,6 +481,189 @@ def test_an_address_that_does_not_answer_is_one_line_and_exit_2_within_bounded_t
     assert not (tmp_path / "m").exists()
 
 
+class Listener:
+    """A TCP server in a thread: ``http`` (Python's web server, as on a dashboard's port), ``grpc`` (a gRPC server
+    with no service), ``silent`` (accepts and says nothing) or ``stalling`` (answers HTTP/2's preface with a
+    SETTINGS frame, as a gRPC server does, then says nothing more: a client's calls wait). ``grpc`` and
+    ``stalling`` listen on every address of the machine (``ray.init`` connects to the machine's own address, not
+    127.0.0.1), the others on 127.0.0.1. ``accepted`` counts the connections (``silent`` and ``stalling``)."""
+
+    def __init__(self, kind: str):
+        import socket
+        self.kind, self.accepted, self.stop = kind, 0, lambda: None
+        if kind == "http":
+            import http.server
+            srv = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            self.port, self.stop = srv.server_address[1], srv.shutdown
+        elif kind == "grpc":
+            import grpc
+            srv = grpc.server(ThreadPoolExecutor(1))
+            self.port = srv.add_insecure_port("0.0.0.0:0")
+            srv.start()
+            self.stop = lambda: srv.stop(0)
+        else:
+            sock = socket.socket()
+            sock.bind(("0.0.0.0" if kind == "stalling" else "127.0.0.1", 0))
+            sock.listen(16)
+            self.port, self._sock, self._held = sock.getsockname()[1], sock, []
+            self.stop = self._close
+            threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            self.accepted += 1
+            self._held.append(conn)
+            if self.kind == "stalling":
+                try:
+                    conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
+                except OSError:
+                    pass
+
+    def _close(self) -> None:
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
+
+
+@pytest.mark.parametrize("kind", ["http", "silent"])
+def test_an_address_where_something_else_answers_is_one_line_and_exit_2_within_bounded_time(tmp_path, kind):
+    """A web server (the dashboard's port, say) or a port that accepts and says nothing: ``ray.init`` would retry
+    for minutes; the check sees no gRPC and refuses at once (``silent``: after CONNECT_SECONDS)."""
+    listener = Listener(kind)
+    try:
+        t0 = time.monotonic()
+        proc = run_main(tmp_path, "--ray-address", f"127.0.0.1:{listener.port}")
+        assert time.monotonic() - t0 < 60
+    finally:
+        listener.stop()
+    assert proc.returncode == 2, proc.stderr
+    assert f"--ray-address 127.0.0.1:{listener.port}: something answers there, but not as a Ray head" in proc.stderr
+    assert TRACEBACK not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_gprc_check_passes_a_grpc_server_and_is_left_out_with_tls(monkeypatch):
+    from multinode.run import RayConnectError, check_reachable
+    grpc_server, web = Listener("grpc"), Listener("http")
+    try:
+        check_reachable(f"127.0.0.1:{grpc_server.port}", timeout=10)  # a Ray head's control store is a gRPC server
+        with pytest.raises(RayConnectError, match="not as a Ray head"):
+            check_reachable(f"127.0.0.1:{web.port}", timeout=10)
+        monkeypatch.setenv("RAY_USE_TLS", "1")  # gRPC over TLS: the plain-text preface would get no answer
+        check_reachable(f"127.0.0.1:{web.port}", timeout=10)
+    finally:
+        grpc_server.stop()
+        web.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_ray_init_retries_ends_the_driver_in_one_line(tmp_path, sig):
+    """A server that passes the check (it answers as gRPC does) but never answers a call: ``ray.init`` waits and
+    retries for minutes. One stop signal ends the driver within START_GRACE_SECONDS, in one line (after Ray's
+    own warnings), nothing written, nothing left."""
+    from multinode.run import START_GRACE_SECONDS
+    listener = Listener("stalling")
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--ray-address", f"127.0.0.1:{listener.port}",
+                                 "--save-model-dir", str(tmp_path / "m"), "--log-dir", str(tmp_path / "l")],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None and listener.accepted < 2:
+                time.sleep(0.1)  # the check's connection, then ray.init's
+            pause(3.0)  # inside ray.init's retries
+            assert proc.poll() is None and time.monotonic() < deadline, "ray.init never connected to the server"
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=START_GRACE_SECONDS + 30)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finally:
+        listener.stop()
+    assert proc.returncode == 128 + int(sig), err
+    assert took < START_GRACE_SECONDS + 20
+    name = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert f"main.py: {name} while connecting to Ray at 127.0.0.1:{listener.port}" in err, err
+    ours = [line for line in err.strip().splitlines() if "main.py" in line]
+    assert TRACEBACK not in err and len(ours) == 1 and err.strip().endswith(ours[0]), err
+    assert not (tmp_path / "m").exists()
+
+
+def test_gpu_ids_of_a_local_cluster_are_checked_on_this_machine(tmp_path):
+    """A ``local`` cluster's GPUs are this machine's: --gpu-ids is checked as on one machine (one line, exit 2);
+    on a remote cluster only -1 mixed with GPU ids can be told here."""
+    from config import validate_gpu_ids
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; tests/test_gpu.py covers a local cluster on a GPU")
+    proc = run_main(tmp_path, "--ray-address", "local", "--gpu-ids", "0", "--workers", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert "--gpu-ids 0: CUDA is not available on this machine" in proc.stderr, proc.stderr
+    assert TRACEBACK not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m").exists()
+    assert validate_gpu_ids([0], machine=False) == []
+    assert validate_gpu_ids([-1, 0], machine=False) == ["--gpu-ids: do not mix -1 (CPU) with GPU ids [-1, 0]"]
+
+
+def test_a_clusters_processes_are_the_drivers_only_when_they_started_after_it():
+    """guard.session_processes: a session name ends with the pid of the process that started the cluster. A
+    ``ray start`` that exited left its pid free for a driver, whose clean-up must not kill that cluster: a process
+    created before ``since`` (the driver's creation) is not the driver's."""
+    from multinode.guard import session_processes
+    fake_pid = 4_000_000 + os.getpid()  # beyond pid_max: no process is the starter of this made-up session
+    code = "import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, f"--session-name=session_2026_{fake_pid}"])
+    try:
+        deadline = time.monotonic() + 30
+        while not session_processes(fake_pid, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        created = psutil.Process(proc.pid).create_time()
+        assert [p.pid for p in session_processes(fake_pid, created)] == [proc.pid]
+        assert session_processes(fake_pid, created + 1.0) == []  # a driver created after it: not its cluster
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_node_that_rejoins_after_the_parameter_server_restarted_is_logged_as_rejoined():
+    """The driver counts each node's starts itself: a restarted parameter server counts joins from 0 again, and a
+    node that then restarts (its first join there) is still a rejoin."""
+    import logging
+
+    from config import build_parser
+    from multinode.run import RayRun
+    args = build_parser().parse_args(["--ray-address", "local", "--nodes", "2", "--workers", "1"])
+    lines: list[str] = []
+
+    class Log:
+        def info(self, line):
+            lines.append(line)
+    run = RayRun(args, torch.nn.Linear(1, 1), None, Log(), ray_module=object())
+
+    def status(started, steps, *joins):
+        return {"started": started, "global_steps": steps, "time": 0.0,
+                "nodes": [{"joins": j, "steps": 0, "last_sync": None, "stats": None} for j in joins]}
+    run._server_answered(status(1.0, 0, 1, 1), 0.0)  # both nodes' first starts
+    assert not [ln for ln in lines if "rejoined" in ln]
+    run._server_answered(status(1.0, 100, 2, 1), 1.0)  # node 0 killed and restarted
+    assert [ln for ln in lines if "rejoined" in ln] == ["node 0 rejoined (start 2) from the global weights at 100 "
+                                                          "global steps"]
+    run._server_answered(status(2.0, 80, 0, 0), 2.0)  # the server restarted from its checkpoint: joins from 0
+    run._server_answered(status(2.0, 90, 0, 1), 3.0)  # then node 1 restarted: the new server's first join
+    assert [ln for ln in lines if "rejoined" in ln][1:] == ["node 1 rejoined (start 2) from the global weights at "
+                                                            "90 global steps"]
+    logging.getLogger(__name__).debug("%s", lines)
+
+
 def test_without_ray_address_ray_is_never_imported(tmp_path):
     code = ("import sys, main\n"
             f"rc = main.main(['--env', 'PongNoFrameskip-v4', '--workers', '1', '--hidden-size', '32', '--max-steps',"
