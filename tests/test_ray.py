@@ -547,7 +547,7 @@ def test_an_address_where_something_else_answers_is_one_line_and_exit_2_within_b
     assert not (tmp_path / "m").exists()
 
 
-def test_the_gprc_check_passes_a_grpc_server_and_is_left_out_with_tls(monkeypatch):
+def test_the_grpc_check_passes_a_grpc_server_and_is_left_out_with_tls(monkeypatch):
     from multinode.run import RayConnectError, check_reachable
     grpc_server, web = Listener("grpc"), Listener("http")
     try:
