@@ -33,6 +33,8 @@ def resolve_env_config(path: str) -> str:
 
 
 SEED_LIMIT = 2**32  # seeds run from 0 to SEED_LIMIT - 1 (gymnasium refuses negative ones)
+STEP_COUNT_LIMIT = 2**63  # step counts are int64 in the counters and refused from here on in a checkpoint
+STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema_steps", "test_every_steps")
 
 
 def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
@@ -400,6 +402,8 @@ def validate(args: argparse.Namespace) -> list[str]:
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]
     errors += [msg for ok, msg in checks if not ok and not (skip and msg.startswith(skip))]
+    errors += [f"--{name.replace('_', '-')} must be < 2**63 (a step count the checkpoint holds), got {value}"
+               for name in STEP_COUNT_FLAGS if (value := getattr(args, name)) >= STEP_COUNT_LIMIT]
     if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
         args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):

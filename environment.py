@@ -1,6 +1,6 @@
 """Atari environments on gymnasium 1.x + ale-py, preprocessed as the A3G line of work expects.
 
-The stack, innermost first (see README, "Environment"):
+The stack, innermost first (see docs/design.md, "The environment"):
 
 1. ``gymnasium.make(id)``; for ``XNoFrameskip`` ids ``NoopReset`` (1..30 raw NOOPs at a real reset) and
    ``MaxAndSkip`` (repeat the action ``skip_rate`` times, sum the rewards, max over the last 3 raw frames);

@@ -1,6 +1,6 @@
 """``--ema-steps``: the moving average of the weights (``averaging.py``) by hand, in an A3G worker's loop, in the
 files a checkpoint holds and in what gym_eval.py plays. GA3C's trainer is covered on its production path in
-test_ga3c_production_update.py, and whole runs in test_main.py."""
+test_ga3c_production_update.py, and whole runs resuming an average in test_ga3c_main.py."""
 import math
 
 import pytest

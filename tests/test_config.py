@@ -1,5 +1,6 @@
 """Flags: upstream names and defaults, real boolean switches, and validation that reports every problem."""
 import pytest
+import torch
 
 from config import build_parser, rollout_length, validate
 
@@ -87,6 +88,20 @@ def test_ema_steps_is_off_by_default_a_count_and_not_for_ray():
     errors = validate(parse("--ray-address", "local", "--ema-steps", "20000"))
     assert errors == ["--ema-steps averages the weights where the optimizer steps, which on Ray is the parameter "
                       "server, not built for it: drop --ema-steps or --ray-address"]
+
+
+@pytest.mark.parametrize("flag", ["--max-steps", "--lr-anneal-steps", "--entropy-anneal-steps", "--ema-steps",
+                                  "--test-every-steps"])
+def test_a_step_count_the_checkpoint_could_not_hold_is_refused(flag, tmp_path):
+    """A run given such a count would write a checkpoint that its own resume refuses as damaged."""
+    from checkpoint import CHECKPOINT_FORMAT, check_checkpoint
+    from config import config_dict
+    assert validate(parse(flag, str(2**63))) == [f"{flag} must be < 2**63 (a step count the checkpoint holds), "
+                                                 f"got {2**63}"]
+    args = parse(flag, str(2**63 - 1))
+    assert validate(args) == []
+    check_checkpoint({"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(1)}, "config": config_dict(args)},
+                     tmp_path / "x.ckpt")  # the largest accepted count is one the checkpoint takes
 
 
 def test_usage_errors_are_one_line(tmp_path):

@@ -229,7 +229,7 @@ def test_a_game_cut_inside_the_reset_after_a_lost_life_is_counted_once(limit):
     cut_in_reset = limit in (6, 7, 8)
     assert results[2] == (1, (3.0, 3) if cut_in_reset else None)
     assert inner.resets == (2 if cut_in_reset else 1) and runner.cut is cut_in_reset
-    assert (runner.score, runner.length) == (0.0, 0) if cut_in_reset else (3.0, 3)
+    assert (runner.score, runner.length) == ((0.0, 0) if cut_in_reset else (3.0, 3))
     step = runner.on_response()  # fake step 9 (after a cut: step 3 of the new game)
     assert step == (1, (4.0, 4) if limit == 9 else None)
 
