@@ -140,7 +140,8 @@ def parse_gpu_sample(gpus_csv: str, apps_csv: str, roles_by_pid: dict[int, str])
 
 
 def gpu_sample(roles_by_pid: dict[int, str]) -> dict | None:
-    """One ``nvidia-smi`` reading (see ``parse_gpu_sample``); None where there is no working ``nvidia-smi``."""
+    """One ``nvidia-smi`` reading (see ``parse_gpu_sample``); None where there is no working ``nvidia-smi``, or
+    where it gives a field that is not a number (``[N/A]`` under MIG, ``[Insufficient Permissions]``)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -154,7 +155,10 @@ def gpu_sample(roles_by_pid: dict[int, str]) -> dict | None:
         if r.returncode != 0:
             return None
         out.append(r.stdout)
-    return parse_gpu_sample(out[0], out[1], roles_by_pid)
+    try:
+        return parse_gpu_sample(out[0], out[1], roles_by_pid)
+    except ValueError:  # a field that is not a number, or a line of another shape
+        return None
 
 
 def summarize_gpu_samples(samples: list[dict]) -> dict | None:
@@ -245,13 +249,17 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
             time.sleep(0.2)
         s0, u0, n0, t0 = run.global_steps.value, mode.counters.version, mode.trained_steps(), time.perf_counter()
         lag0 = mode.counters.lag_hist.sum(0).clone()
-        rss = []
+        rss, gpu = [], []
+        on_gpu = any(g >= 0 for g in args.gpu_ids)
         deadline = t0 + window
         while time.perf_counter() < deadline:
             for _ in range(25):
                 mode.tick(time.time())
                 time.sleep(min(0.2, max(0.0, deadline - time.perf_counter())))
             rss.append({role: psutil.Process(p.pid).memory_info().rss / 2 ** 20 for role, p in procs if p.is_alive()})
+            sample = gpu_sample({p.pid: role for role, p in procs}) if on_gpu else None  # procs grows (--dynamic)
+            if sample is not None:
+                gpu.append(sample)
         s1, u1, n1, t1 = run.global_steps.value, mode.counters.version, mode.trained_steps(), time.perf_counter()
         lag_mean, lag_max, _ = mode.counters.lag_summary(lag0)
         counts_end = [int(v) for v in mode.counters.active.tolist()]  # NT, NP, NA running at the end
@@ -265,7 +273,8 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "updates_per_s": (u1 - u0) / (t1 - t0), "trained_steps_per_s": (n1 - n0) / (t1 - t0),
             "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "counts_end": counts_end,
-            "dynamic_events": dynamic_events, "rss_mib_start": rss[0], "rss_mib_end": rss[-1]}
+            "dynamic_events": dynamic_events, "rss_mib_start": rss[0], "rss_mib_end": rss[-1],
+            "gpu": summarize_gpu_samples(gpu)}
 
 
 def model_flops_per_step(num_steps: int = 20) -> dict:
@@ -516,7 +525,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=60.0, help="seconds of training counted")
     p.add_argument("--env-seconds", type=float, default=15.0, help="seconds of environment-only stepping")
     p.add_argument("--rollouts", type=int, default=20, help="rollouts timed for the model step costs")
-    p.add_argument("--repeats", type=int, default=3, help="alternated rounds of the step-cost timings (median)")
+    p.add_argument("--repeats", type=int, default=3, help="alternated rounds of the step-cost timings (their median; the lower middle one of an even count)")
     p.add_argument("--ga3c-flags", default="",
                    help="main.py flags for the GA3C-mode measurement, in one string (default: main.py's GA3C "
                         "defaults), e.g. \"--agents 2 --envs-per-agent 8 --train-batch 4\"")
@@ -655,6 +664,15 @@ def ga3c_args(opts: argparse.Namespace, out_dir: Path) -> argparse.Namespace:
                               "--log-dir", str(out_dir), "--save-model-dir", str(out_dir), *flags])
 
 
+def median_rounds(rounds: dict[str, list]) -> tuple[float, float, dict]:
+    """The median of each kind of step-cost round: ``plain`` and ``plain_keep_freed`` (ms), and ``ours`` (a record
+    of parts, taken whole by its ``total_ms``). Of an even count, the lower middle one of each, so that no kind is
+    taken from a higher rank than another (a ratio of them is then not biased)."""
+    middle = (len(rounds["ours"]) - 1) // 2
+    return (sorted(rounds["plain"])[middle], sorted(rounds["plain_keep_freed"])[middle],
+            sorted(rounds["ours"], key=lambda r: r["total_ms"])[middle])
+
+
 def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) -> None:
     """Parts 1, 3, 4 and 5: the step costs, the environment alone, upstream's plain training."""
     rounds = {"plain": [], "plain_keep_freed": [], "ours": []}
@@ -664,9 +682,7 @@ def base_costs(opts: argparse.Namespace, args: argparse.Namespace, res: dict) ->
         rounds["ours"].append(measure_isolated("our_step_ms", opts.rollouts, keep_freed=True,
                                                precision=args.compute_precision))
     res["step_cost_rounds"] = rounds
-    res["plain_step_ms"] = statistics.median(rounds["plain"])
-    res["plain_keep_freed_step_ms"] = statistics.median(rounds["plain_keep_freed"])
-    res["ours"] = sorted(rounds["ours"], key=lambda r: r["total_ms"])[len(rounds["ours"]) // 2]  # median round
+    res["plain_step_ms"], res["plain_keep_freed_step_ms"], res["ours"] = median_rounds(rounds)
     print(f"step costs: the median of {opts.repeats} alternated rounds, each in fresh processes", flush=True)
     print(f"plain reference step (NCHW, batch 1, grad per step, 1 thread): {res['plain_step_ms']:.2f} ms", flush=True)
     print(f"  the same with this project's allocator setting: {res['plain_keep_freed_step_ms']:.2f} ms", flush=True)

@@ -4,10 +4,15 @@ to one folder.
     python benchmarks/gpu_session.py --out OUT                       # all stages in --budget-seconds (540)
     python benchmarks/gpu_session.py --out OUT --stages train --load # go on training the same run, same machine
 
-First a check of the machine, recorded in ``summary.json`` under ``preflight``: torch's version, whether CUDA is
-there and the GPU's name and bf16 support, and whether the packages the stages import load. Where ``--gpu-ids``
-names a GPU and CUDA is not there, or a package is missing, nothing else runs and the exit code is 1. Then the
-stages (``--stages``, in this order):
+Bad input is one line each and exit code 2 before anything runs: numbers out of range or not finite, a
+``--ga3c-flags`` or ``--extra`` that does not split as a shell would, an ``--out`` that is a file, ``--gpu-ids``
+mixing -1 with GPU ids, ``--load`` without a checkpoint in ``--run-dir`` or a checkpoint there without it. Then a
+check of the machine, recorded in ``summary.json`` under ``preflight``: torch's version, whether CUDA is there and
+the GPU's name and bf16 support, whether the packages the stages import load, and what main.py's own checks (on
+this machine: ``--gpu-ids`` it lacks, a bad ``--env``, flags main.py refuses) say of the commands the stages would
+run. Where ``--gpu-ids`` names a GPU and CUDA is not there, or a package is missing, nothing else runs and the exit
+code is 1; where main.py's checks refuse a command the benchmark needs, or every one the train stage may choose,
+they are printed and the exit code is 2. Then the stages (``--stages``, in this order):
 1. ``tests``: ``pytest tests/test_gpu.py`` (the GPU tests of both modes), with the reasons for any skip ->
    ``tests.log``; the counts of passed, failed and skipped tests go to the summary;
 2. ``bench``: ``benchmarks/benchmark.py --modes-only`` on ``--env`` and ``--gpu-ids``: A3G mode with ``--workers``
@@ -16,15 +21,20 @@ stages (``--stages``, in this order):
 3. ``train``: ``main.py`` on ``--env`` in the faster mode of ``bench.json`` (or ``--mode`` when given; without a
    benchmark, GA3C mode on a GPU, 2.57x A3G mode on an H200 in docs/performance.md, and A3G mode on the CPU), into
    ``--run-dir``, for ``--train-seconds`` or whatever the budget leaves; with ``--load`` it resumes the run there
-   (a later call on the same machine: ``--run-dir`` is outside ``OUT``, which gets only the files below). It
-   copies the ``.dat`` and the monitor CSV into ``OUT/train/``; the run's output is ``train.log``.
+   (a later call on the same machine: ``--run-dir`` is outside ``OUT``, which gets only the files below), in the
+   mode it chose before (``--run-dir``'s ``gpu_session_mode``), whatever a new benchmark says. It copies the
+   ``.dat`` and the monitor CSV written by this stage into ``OUT/train/`` (emptied first); the run's output is
+   ``train.log``.
 
 The stages share ``--budget-seconds``: each is given what it needs at most (the tests 150 s, the benchmark
 2 x (warmup + window) + 150 s) and no more than leaves the stages after it their minimum (the benchmark 100 s,
 training 60 s); training gets the rest, less 75 s for its start-up and final save. A stage that runs past its time
 is sent SIGTERM (main.py then writes its final checkpoint and ``.dat``), and SIGKILL 30 s later, with every process
-it started. A stage that fails is recorded and the next one still runs. ``OUT`` gets at most 7 files: small
-enough to copy back whole.
+it started; a stage given no time is skipped. A stage that fails is recorded and the next one still runs. A stop
+signal to this script (SIGTERM, as when the device call's time limit comes before ``--budget-seconds``, SIGHUP,
+Ctrl-C) stops the stage in progress the same way at once, copies what the train stage wrote, writes the summary
+and exits with 128 + the signal; nothing is left running. ``--budget-seconds`` should still fit the call's limit.
+``OUT`` gets at most 7 files: small enough to copy back whole.
 
 ``OUT/summary.json`` records each stage's command, exit code, seconds, and the numbers that matter (steps/s of both
 modes and their ratio; the run's global steps, running time and last monitor mean); it is rewritten after each
@@ -72,30 +82,63 @@ def stage_seconds(stage: str, later: list[str], left: float, opts) -> float:
     return max(0.0, min(need, left - keep))
 
 
+class SessionStopped(Exception):
+    """A stop signal (SIGTERM, SIGHUP, SIGINT) reached this script: the device call's time limit, a hang-up, Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_stop_signal: int | None = None
+
+
+def _on_stop_signal(signum, frame) -> None:
+    """The first stop signal raises ``SessionStopped`` where the main thread is; later ones are only noted, so that
+    the stage in progress is still stopped cleanly and the summary written."""
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signum
+        raise SessionStopped(signum)
+
+
 def run_stage(name: str, cmd: list[str], log: Path, timeout: float) -> dict:
     """Run ``cmd`` in the repository root, in a process group of its own, with its output in ``log``;
     ``{command, exit_code, seconds}``. Past ``timeout`` the group is sent SIGTERM, then SIGKILL ``KILL_GRACE``
-    seconds later; the exit code is then 124."""
+    seconds later; the exit code is then 124. A stop signal to this script (``SessionStopped``) stops the stage
+    the same way at once (main.py writes its final checkpoint), adds ``stopped_by`` and raises it again."""
     start = time.time()
+    stopped = None
     with open(log, "w") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            f.write(f"\n{PROG}: the {name} stage ran past {timeout:.0f} s: SIGTERM\n")
-            f.flush()
-            signal_group(proc, signal.SIGTERM)
             try:
-                proc.wait(timeout=KILL_GRACE)
+                code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                f.write(f"{PROG}: still running {KILL_GRACE:.0f} s later: SIGKILL\n")
-            code = 124
+                f.write(f"\n{PROG}: the {name} stage ran past {timeout:.0f} s: SIGTERM\n")
+                code = 124
+            except SessionStopped as e:
+                stopped = e
+                f.write(f"\n{PROG}: stopped by signal {e.signum}: SIGTERM to the {name} stage\n")
+                code = 128 + e.signum
+            if proc.returncode is None:
+                f.flush()
+                signal_group(proc, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=KILL_GRACE)
+                except subprocess.TimeoutExpired:
+                    f.write(f"{PROG}: still running {KILL_GRACE:.0f} s later: SIGKILL\n")
         finally:
             signal_group(proc, signal.SIGKILL)  # whatever the stage left running
             proc.wait()
-    return {"command": shlex.join(cmd), "exit_code": code, "seconds": round(time.time() - start, 1)}
+    res = {"command": shlex.join(cmd), "exit_code": code, "seconds": round(time.time() - start, 1)}
+    if stopped is not None:
+        res["stopped_by"] = signal.Signals(stopped.signum).name
+        stopped.result = res
+        raise stopped
+    return res
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -105,24 +148,49 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def preflight(py: str, on_gpu: bool) -> dict:
-    """torch's version, CUDA, the GPU and its bf16, and the packages the stages import, from a child Python (as the
-    stages see them); ``ok`` false where a package is missing, or CUDA is, with a GPU asked for."""
-    code = ("import importlib, json, torch\n"
-            "missing = []\n"
-            "for m in ('gymnasium', 'ale_py', 'cv2', 'psutil', 'pytest', 'numpy', 'setproctitle'):\n"
-            "    try:\n        importlib.import_module(m)\n"
-            "    except Exception as e:\n        missing.append(f'{m}: {e}')\n"
-            "cuda = torch.cuda.is_available()\n"
-            "print(json.dumps({'torch': torch.__version__, 'cuda': cuda,\n"
-            "    'gpu': torch.cuda.get_device_name(0) if cuda else None,\n"
-            "    'bf16': torch.cuda.is_bf16_supported() if cuda else None,\n"
-            "    'gpus': torch.cuda.device_count() if cuda else 0, 'missing': missing}))\n")
+PREFLIGHT = """
+import importlib, json, sys, torch
+missing = []
+for m in ('gymnasium', 'ale_py', 'cv2', 'psutil', 'pytest', 'numpy', 'setproctitle'):
     try:
-        r = subprocess.run([py, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        importlib.import_module(m)
+    except Exception as e:
+        missing.append(f'{m}: {e}')
+cuda = torch.cuda.is_available()
+problems = {}
+if not missing:  # main.py's own checks of each command a stage would run, on this machine
+    from config import build_parser, validate
+    for label, argv in json.loads(sys.argv[1]).items():
+        parser = build_parser()
+        def error(message):
+            raise ValueError(message)
+        parser.error = error
+        try:
+            problems[label] = validate(parser.parse_args(argv))
+        except ValueError as e:
+            problems[label] = [str(e)]
+print(json.dumps({'torch': torch.__version__, 'cuda': cuda,
+    'gpu': torch.cuda.get_device_name(0) if cuda else None,
+    'bf16': torch.cuda.is_bf16_supported() if cuda else None,
+    'gpus': torch.cuda.device_count() if cuda else 0, 'missing': missing, 'problems': problems}))
+"""
+
+
+def preflight(py: str, on_gpu: bool, commands: dict[str, list[str]] | None = None) -> dict:
+    """torch's version, CUDA, the GPU and its bf16, and the packages the stages import, from a child Python (as the
+    stages see them); ``ok`` false where a package is missing, or CUDA is, with a GPU asked for. ``problems``:
+    for each of ``commands`` (a label and the main.py flags a stage would run), what main.py's checks
+    (``config.validate``, on this machine) say of it (none where a package is missing)."""
+    try:
+        r = subprocess.run([py, "-c", PREFLIGHT, json.dumps(commands or {})], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
         info = json.loads(r.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
-        return {"ok": False, "error": f"the check did not finish: {e}"}
+        tail = ""
+        if isinstance(e, (ValueError, IndexError)):
+            lines = r.stderr.strip().splitlines()
+            tail = f"; exit code {r.returncode}" + (f"; {' | '.join(lines[-3:])}" if lines else "")
+        return {"ok": False, "error": f"the check did not finish: {type(e).__name__}: {e}{tail}"}
     info["ok"] = not info["missing"] and (info["cuda"] or not on_gpu)
     return info
 
@@ -130,7 +198,8 @@ def preflight(py: str, on_gpu: bool) -> dict:
 def pytest_counts(log: Path) -> dict:
     """``{passed, failed, skipped, errors}`` from pytest's last summary line in ``log`` (those it names)."""
     import re
-    lines = [line for line in log.read_text(errors="replace").splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)]
     if not lines:
         return {}
     return {word if word != "error" else "errors": int(n)
@@ -182,15 +251,96 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.time()
-    opts = build_parser().parse_args(argv)
+def check_input(opts) -> list[str]:
+    """What is wrong with the flags, before anything runs (one line each)."""
+    import math
     errors = [f"--{k.replace('_', '-')} must be > 0" for k in ("workers", "window", "budget_seconds")
               if getattr(opts, k) <= 0]
     if opts.train_seconds is not None and opts.train_seconds <= 0:
         errors.append("--train-seconds must be > 0")
     if opts.warmup < 0:
         errors.append("--warmup must be >= 0")
+    errors += [f"--{k.replace('_', '-')} must be a finite number, got {getattr(opts, k)}"
+               for k in ("warmup", "window", "budget_seconds", "train_seconds")
+               if getattr(opts, k) is not None and not math.isfinite(getattr(opts, k))]
+    for flag, value in (("--ga3c-flags", opts.ga3c_flags), ("--extra", opts.extra)):
+        try:
+            shlex.split(value)
+        except ValueError as e:
+            errors.append(f"{flag} {value!r}: {e} (it is split as a shell would)")
+    if Path(opts.out).exists() and not Path(opts.out).is_dir():
+        errors.append(f"--out {opts.out} is a file, not a folder: pass a folder")
+    if any(g < 0 for g in opts.gpu_ids) and (len(opts.gpu_ids) > 1 or not all(g < 0 for g in opts.gpu_ids)):
+        errors.append(f"--gpu-ids {' '.join(map(str, opts.gpu_ids))}: give -1 once for the CPU, or GPU ids")
+    if "train" in opts.stages:
+        name = opts.env.replace("/", "_")
+        models = run_path(opts.run_dir) / "models"
+        found = [p for p in (models / f"{name}.ckpt", models / f"{name}.dat") if p.exists()]
+        if opts.load and not (models / f"{name}.ckpt").is_file():
+            errors.append(f"--load: there is no {models / (name + '.ckpt')} to resume: drop --load, or pass the "
+                          f"--run-dir of the run to resume")
+        elif not opts.load and found:
+            errors.append(f"{found[0]} exists and training would overwrite it: pass --load to go on with that run, "
+                          f"or another --run-dir")
+    return errors
+
+
+def run_path(run_dir: str) -> Path:
+    """``--run-dir`` as the stages see it (they run in the repository root)."""
+    return Path(run_dir) if Path(run_dir).is_absolute() else ROOT / run_dir
+
+
+def stage_commands(opts, extra: bool = True) -> dict[str, list[str]]:
+    """main.py's flags in each mode as the train stage gives them (``extra``: with ``--extra``), or as the
+    benchmark runs each mode (without it)."""
+    gpus = [str(g) for g in opts.gpu_ids]
+    run_dir = run_path(opts.run_dir)
+    common = ["--env", opts.env, "--gpu-ids", *gpus, "--precision", opts.precision,
+              "--save-model-dir", str(run_dir / "models"), "--log-dir", str(run_dir / "logs")]
+    more = shlex.split(opts.extra) if extra else []
+    return {"a3g": ["--workers", str(opts.workers), *common, *more],
+            "ga3c": ["--mode", "ga3c", *shlex.split(opts.ga3c_flags), *common, *more]}
+
+
+def commands_to_check(opts) -> dict[str, list[str]]:
+    """The main.py flag lists the preflight checks: both modes as the benchmark runs them, and the train stage's
+    in its mode (both modes where the benchmark will choose)."""
+    checks = {}
+    if "bench" in opts.stages:
+        checks.update({f"bench {m}": argv for m, argv in stage_commands(opts, extra=False).items()})
+    if "train" in opts.stages:
+        known = opts.mode or (saved_mode(run_path(opts.run_dir)) if opts.load else None)
+        checks.update({f"train {m}": argv for m, argv in stage_commands(opts).items() if known in (None, m)})
+    return checks
+
+
+def fatal_problems(problems: dict[str, list[str]]) -> list[str]:
+    """The preflight's problems that stop the session: any of the benchmark's, and the train stage's where its
+    mode is known or every mode it may choose has some."""
+    train = {k: v for k, v in problems.items() if k.startswith("train ")}
+    lines = [f"{k}: {e}" for k, v in problems.items() if k.startswith("bench ") for e in v]
+    if train and all(train.values()):
+        lines += [f"{k}: {e}" for k, v in train.items() for e in v]
+    return lines
+
+
+def saved_mode(run_dir: Path) -> str | None:
+    """The mode the train stage chose for the run in ``run_dir`` (``MODE_FILE``), so that ``--load`` goes on in
+    it: a later call's ``OUT`` has no ``bench.json``."""
+    try:
+        mode = (run_dir / MODE_FILE).read_text().strip()
+    except OSError:
+        return None
+    return mode if mode in ("a3g", "ga3c") else None
+
+
+MODE_FILE = "gpu_session_mode"
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    opts = build_parser().parse_args(argv)
+    errors = check_input(opts)
     for e in errors:
         print(f"{PROG}: error: {e}", file=sys.stderr)
     if errors:
@@ -202,82 +352,123 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     except ValueError:
         summary = {}
-    gpus = [str(g) for g in opts.gpu_ids]
     on_gpu = any(g >= 0 for g in opts.gpu_ids)
     py = sys.executable
 
     def save():
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
 
-    summary["preflight"] = preflight(py, on_gpu)
-    save()
-    print(f"{PROG}: preflight {json.dumps(summary['preflight'])}", flush=True)
-    if not summary["preflight"]["ok"]:
-        print(f"{PROG}: the machine cannot run the stages (preflight in {summary_path}); nothing else ran",
-              flush=True)
-        return 1
-    ok = True
-    stages = [s for s in STAGES if s in opts.stages]
-    for k, stage in enumerate(stages):
-        left = opts.budget_seconds - (time.time() - started)
-        seconds = stage_seconds(stage, stages[k + 1:], left, opts)
-        print(f"{PROG}: {stage} (at most {seconds:.0f} s) ...", flush=True)
-        if stage == "tests":
-            res = run_stage(stage, [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-                            out / "tests.log", seconds)
-            res.update(pytest_counts(out / "tests.log"))
-        elif stage == "bench":
-            bench_json = out / "bench.json"
-            bench_json.unlink(missing_ok=True)
-            res = run_stage(stage, [py, "benchmarks/benchmark.py", "--modes-only", "--env", opts.env,
-                                    "--workers", str(opts.workers), "--gpu-ids", *gpus,
-                                    "--precision", opts.precision, "--warmup", str(opts.warmup),
-                                    "--window", str(opts.window), "--ga3c-flags",
-                                    f"{opts.ga3c_flags} --precision {opts.precision}",
-                                    "--json", str(bench_json.resolve())],
-                            out / "bench.log", seconds)
-            try:
-                b = json.loads(bench_json.read_text())
-                res.update(a3g_steps_per_s=b["training"]["steps_per_s"], precision=b.get("precision"),
-                           ga3c_steps_per_s=b.get("ga3c", {}).get("steps_per_s"),
-                           ga3c_over_a3g=b.get("ga3c_over_a3g"), machine=b.get("machine"))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                res["bench_json"] = f"not read: {e}"
-        else:
-            try:
-                bench = json.loads((out / "bench.json").read_text())
-            except (OSError, ValueError):
-                bench = None
-            mode = opts.mode or faster_mode(bench, on_gpu)
-            train_seconds = min(opts.train_seconds or float("inf"), seconds - TRAIN_RESERVE)
-            run_dir = Path(opts.run_dir)
-            flags = ["--workers", str(opts.workers)] if mode == "a3g" else ["--mode", "ga3c",
-                                                                            *shlex.split(opts.ga3c_flags)]
-            cmd = [py, "main.py", "--env", opts.env, *flags, "--gpu-ids", *gpus, "--precision", opts.precision,
-                   "--max-seconds", f"{max(train_seconds, 1):.0f}", "--save-model-dir", str(run_dir / "models"),
-                   "--log-dir", str(run_dir / "logs"), *shlex.split(opts.extra)] + (["--load"] if opts.load else [])
-            if train_seconds < min(TRAIN_MIN, opts.train_seconds or TRAIN_MIN):
-                res = {"command": shlex.join(cmd), "exit_code": 1, "seconds": 0.0,
-                       "skipped": f"the budget left {seconds:.0f} s: too little to train"}
-            else:
-                res = run_stage(stage, cmd, out / "train.log", train_seconds + TRAIN_RESERVE)
-            res["mode"] = mode
-            dest = out / "train"
-            dest.mkdir(exist_ok=True)
-            name = opts.env.replace("/", "_")
-            logs = ROOT / run_dir / "logs" if not run_dir.is_absolute() else run_dir / "logs"
-            models = logs.parent / "models"
-            for src in (models / f"{name}.dat", logs / f"{name}_monitor.csv"):
-                if src.is_file():
-                    shutil.copy2(src, dest / src.name)
-            if (dest / f"{name}_monitor.csv").is_file():
-                res.update(last_monitor(dest / f"{name}_monitor.csv"))
-        summary[stage] = res
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _on_stop_signal)
+    try:
+        summary["preflight"] = preflight(py, on_gpu, commands_to_check(opts))
         save()
-        print(f"{PROG}: {stage} exit {res['exit_code']} in {res['seconds']:.0f} s", flush=True)
-        ok = ok and res["exit_code"] == 0
+        print(f"{PROG}: preflight {json.dumps(summary['preflight'])}", flush=True)
+        if not summary["preflight"]["ok"]:
+            print(f"{PROG}: the machine cannot run the stages (preflight in {summary_path}); nothing else ran",
+                  flush=True)
+            return 1
+        problems = fatal_problems(summary["preflight"].get("problems") or {})
+        for problem in problems:
+            print(f"{PROG}: error: main.py flags of the {problem}", file=sys.stderr)
+        if problems:
+            return 2
+        ok = True
+        stages = [s for s in STAGES if s in opts.stages]
+        for k, stage in enumerate(stages):
+            left = opts.budget_seconds - (time.time() - started)
+            seconds = stage_seconds(stage, stages[k + 1:], left, opts)
+            print(f"{PROG}: {stage} (at most {seconds:.0f} s) ...", flush=True)
+            try:
+                res = run_one(stage, opts, out, py, seconds)
+            except SessionStopped as e:
+                summary[stage] = getattr(e, "result", {"exit_code": 128 + e.signum, "stopped_by":
+                                                       signal.Signals(e.signum).name})
+                if stage == "train":
+                    summary[stage].update(collect_train(opts, out, started_at=time.time() - summary[stage].get(
+                        "seconds", 0.0)))
+                raise
+            summary[stage] = res
+            save()
+            print(f"{PROG}: {stage} exit {res['exit_code']} in {res['seconds']:.0f} s", flush=True)
+            ok = ok and res["exit_code"] == 0
+    except SessionStopped as e:
+        save()
+        print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the stage in progress was stopped and "
+              f"{summary_path} written", file=sys.stderr, flush=True)
+        return 128 + e.signum
     print(f"{PROG}: wrote {summary_path} ({time.time() - started:.0f} s)", flush=True)
     return 0 if ok else 1
+
+
+def run_one(stage: str, opts, out: Path, py: str, seconds: float) -> dict:
+    """One stage within ``seconds`` (see the module docstring); its summary entry. A stage given no time is
+    skipped (exit code 1)."""
+    gpus = [str(g) for g in opts.gpu_ids]
+    if stage == "tests":
+        cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+        if seconds <= 0:
+            return {"command": shlex.join(cmd), "exit_code": 1, "seconds": 0.0, "skipped": "the budget left no time"}
+        res = run_stage(stage, cmd, out / "tests.log", seconds)
+        res.update(pytest_counts(out / "tests.log"))
+        return res
+    if stage == "bench":
+        bench_json = out / "bench.json"
+        bench_json.unlink(missing_ok=True)
+        cmd = [py, "benchmarks/benchmark.py", "--modes-only", "--env", opts.env, "--workers", str(opts.workers),
+               "--gpu-ids", *gpus, "--precision", opts.precision, "--warmup", str(opts.warmup),
+               "--window", str(opts.window), "--ga3c-flags", f"{opts.ga3c_flags} --precision {opts.precision}",
+               "--json", str(bench_json.resolve())]
+        if seconds <= 0:
+            return {"command": shlex.join(cmd), "exit_code": 1, "seconds": 0.0, "skipped": "the budget left no time"}
+        res = run_stage(stage, cmd, out / "bench.log", seconds)
+        try:
+            b = json.loads(bench_json.read_text())
+            res.update(a3g_steps_per_s=b["training"]["steps_per_s"], precision=b.get("precision"),
+                       ga3c_steps_per_s=b.get("ga3c", {}).get("steps_per_s"),
+                       ga3c_over_a3g=b.get("ga3c_over_a3g"), machine=b.get("machine"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            res["bench_json"] = f"not read: {e}"
+        return res
+    try:
+        bench = json.loads((out / "bench.json").read_text())
+    except (OSError, ValueError):
+        bench = None
+    run_dir = run_path(opts.run_dir)
+    resumed = saved_mode(run_dir) if opts.load else None
+    mode = opts.mode or resumed or faster_mode(bench, any(g >= 0 for g in opts.gpu_ids))
+    train_seconds = min(opts.train_seconds or float("inf"), seconds - TRAIN_RESERVE)
+    cmd = [py, "main.py", *stage_commands(opts)[mode], "--max-seconds", f"{max(train_seconds, 1):.0f}"] + (
+        ["--load"] if opts.load else [])
+    shutil.rmtree(out / "train", ignore_errors=True)  # an earlier call's files are not this stage's
+    if train_seconds < min(TRAIN_MIN, opts.train_seconds or TRAIN_MIN):
+        return {"command": shlex.join(cmd), "exit_code": 1, "seconds": 0.0, "mode": mode,
+                "skipped": f"the budget left {seconds:.0f} s: too little to train"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MODE_FILE).write_text(mode + "\n")
+    stage_start = time.time()
+    try:
+        res = run_stage(stage, cmd, out / "train.log", train_seconds + TRAIN_RESERVE)
+    except SessionStopped as e:
+        e.result = {**getattr(e, "result", {}), "mode": mode}
+        raise
+    res["mode"] = mode
+    res.update(collect_train(opts, out, started_at=stage_start))
+    return res
+
+
+def collect_train(opts, out: Path, started_at: float) -> dict:
+    """Copy the train stage's ``.dat`` and monitor CSV into ``OUT/train/`` (only files written since
+    ``started_at``: a file left from before is not this stage's) and read its last monitor game."""
+    dest = out / "train"
+    dest.mkdir(exist_ok=True)
+    name = opts.env.replace("/", "_")
+    run_dir = run_path(opts.run_dir)
+    for src in (run_dir / "models" / f"{name}.dat", run_dir / "logs" / f"{name}_monitor.csv"):
+        if src.is_file() and src.stat().st_mtime >= started_at - 1.0:
+            shutil.copy2(src, dest / src.name)
+    csv_file = dest / f"{name}_monitor.csv"
+    return last_monitor(csv_file) if csv_file.is_file() else {}
 
 
 if __name__ == "__main__":

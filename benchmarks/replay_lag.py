@@ -222,6 +222,14 @@ def main(argv=None) -> int:
     problems += ["--warmup-updates must be >= 0"] if opts.warmup_updates < 0 else []
     problems += ["--lr must be > 0"] if opts.lr <= 0 else []
     problems += ["--is-clip must be >= 0"] if opts.is_clip < 0 else []
+    from cli import validate_file
+    from environment import EnvIdError, resolve_env_id
+    try:
+        resolve_env_id(opts.env)
+    except EnvIdError as e:
+        problems.append(f"--env: {e}")
+    if opts.json:
+        problems += validate_file(opts.json, "--json")
     for msg in problems:
         print(f"replay_lag.py: error: {msg}", file=sys.stderr)
     if problems:
@@ -229,6 +237,7 @@ def main(argv=None) -> int:
     res = measure(opts)
     report(res)
     if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.json).write_text(json.dumps(res, indent=1))
     return 0
 

@@ -114,6 +114,20 @@ def test_no_gpu_readings_without_a_working_nvidia_smi(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     assert bench.gpu_sample({}) is None  # a driver that does not answer
+    smi.write_text("#!/bin/sh\ncase \"$1\" in\n  --query-gpu*) echo '0, [N/A], 20480' ;;\n  *) echo '111, 1200' ;;\n"
+                   "esac\n")  # utilisation under MIG
+    assert bench.gpu_sample({111: "worker 0"}) is None
+
+
+def test_the_step_cost_medians_take_the_same_rank_of_each_kind():
+    """Of an even count of rounds the lower middle one of each kind: plain over ours is not biased low by taking
+    the plain costs' mean of the two middle ones and ours' upper middle one."""
+    bench = load_benchmark()
+    ours = [{"total_ms": t} for t in (4.0, 1.0, 3.0, 2.0)]
+    rounds = {"plain": [40.0, 10.0, 30.0, 20.0], "plain_keep_freed": [4.5, 1.5, 3.5, 2.5], "ours": ours}
+    assert bench.median_rounds(rounds) == (20.0, 2.5, {"total_ms": 2.0})
+    rounds = {"plain": [3.0, 1.0, 2.0], "plain_keep_freed": [6.0, 5.0, 4.0], "ours": ours[:3]}
+    assert bench.median_rounds(rounds) == (2.0, 5.0, {"total_ms": 3.0})
 
 
 @pytest.mark.slow

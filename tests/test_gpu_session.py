@@ -4,6 +4,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from conftest import ROOT, run_entry
 
@@ -74,6 +75,7 @@ def test_a_stage_past_its_time_gets_sigterm_then_sigkill_with_its_children(tmp_p
     assert res["exit_code"] == 0 and "ok" in (tmp_path / "c.log").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the session would run for real")
 def test_no_stage_runs_where_the_machine_has_no_gpu_for_gpu_ids(tmp_path):
     """On this CPU machine ``--gpu-ids 0`` fails the check: exit 1, the check in summary.json, no stage's files."""
     out = tmp_path / "out"
@@ -104,6 +106,10 @@ def test_pytest_counts_and_the_last_monitor_game_are_read_from_what_a_kill_leave
     assert gpu_session.pytest_counts(log) == {"failed": 1, "passed": 2, "errors": 1}
     log.write_text("collecting ...\n")
     assert gpu_session.pytest_counts(log) == {}
+    log.write_text("ERROR tests/test_gpu.py - ImportError\n1 error in 0.41s\n")  # a collection error
+    assert gpu_session.pytest_counts(log) == {"errors": 1}
+    log.write_text("sssssss\n7 skipped in 1.20s\n")
+    assert gpu_session.pytest_counts(log) == {"skipped": 7}
     csv_file = tmp_path / "m.csv"
     header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
     csv_file.write_text(header + "0,60,1000,5,100,1,0,5.0\n0,120,2000,7,100,1,0,6.0\n0,13")  # killed mid-row
@@ -113,11 +119,143 @@ def test_pytest_counts_and_the_last_monitor_game_are_read_from_what_a_kill_leave
     assert gpu_session.last_monitor(csv_file) == {"games": 0}
 
 
-@pytest.mark.parametrize("flags", [["--train-seconds", "0"], ["--workers", "0"], ["--warmup", "-1"],
-                                   ["--budget-seconds", "0"]])
-def test_bad_input_gets_one_line_and_exit_2(tmp_path, flags):
-    r = run_entry("benchmarks/gpu_session.py", "--out", str(tmp_path / "out"), *flags, cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "gpu_session.py: error: --" in r.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--train-seconds", "0"], "--train-seconds must be > 0"), (["--workers", "0"], "--workers must be > 0"),
+    (["--warmup", "-1"], "--warmup must be >= 0"), (["--budget-seconds", "0"], "--budget-seconds must be > 0"),
+    (["--warmup", "nan"], "--warmup must be a finite number"), (["--budget-seconds", "inf"], "--budget-seconds must be a finite"),
+    (["--ga3c-flags", "--agents '2"], "--ga3c-flags \"--agents '2\": No closing quotation"),
+    (["--extra", "--seed '7"], "--extra \"--seed '7\": No closing quotation"),
+    (["--gpu-ids", "-1", "0"], "--gpu-ids -1 0: give -1 once for the CPU"),
+    (["--stages", "train", "--load"], "--load: there is no"),
+])
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, flags, message):
+    r = run_entry("benchmarks/gpu_session.py", "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "run"),
+                  *flags, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "gpu_session.py: error: --" in r.stderr, r.stderr
+    assert message in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_and_a_run_that_would_be_overwritten_are_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    r = run_entry("benchmarks/gpu_session.py", "--out", str(tmp_path / "f"), cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and f"--out {tmp_path / 'f'} is a file" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "run" / "models").mkdir(parents=True)
+    (tmp_path / "run" / "models" / "BreakoutNoFrameskip-v4.ckpt").write_bytes(b"x")
+    r = run_entry("benchmarks/gpu_session.py", "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "run"),
+                  "--stages", "train", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "exists and training would overwrite it: pass --load" in r.stderr, r.stderr
+    assert (tmp_path / "run" / "models" / "BreakoutNoFrameskip-v4.ckpt").read_bytes() == b"x"
+
+
+def test_flags_main_py_refuses_end_the_session_after_the_check_of_the_machine(tmp_path):
+    """main.py's own checks of the train stage's command run in the preflight: a flag it refuses is one line and
+    exit 2 before any stage, not a failed stage after the tests and the benchmark."""
+    out = tmp_path / "out"
+    r = run_entry("benchmarks/gpu_session.py", "--out", str(out), "--gpu-ids", "-1", "--stages", "train", "--mode",
+                  "a3g", "--run-dir", str(tmp_path / "run"), "--extra=--lr=-1", cwd=tmp_path, timeout=180)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == "gpu_session.py: error: main.py flags of the train a3g: --lr must be > 0, got -1.0"
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["preflight"] and summary["preflight"]["problems"] == {
+        "train a3g": ["--lr must be > 0, got -1.0"]}
+    assert not (out / "train.log").exists() and not (tmp_path / "run").exists()
+
+
+def test_which_commands_are_checked_and_which_problems_stop_the_session(tmp_path):
+    from types import SimpleNamespace
+    opts = gpu_session.build_parser().parse_args(["--out", "o", "--run-dir", str(tmp_path / "run")])
+    checks = gpu_session.commands_to_check(opts)
+    assert sorted(checks) == ["bench a3g", "bench ga3c", "train a3g", "train ga3c"]
+    assert "--extra" not in " ".join(checks["bench a3g"]) and checks["train ga3c"][:2] == ["--mode", "ga3c"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / gpu_session.MODE_FILE).write_text("a3g\n")
+    opts = gpu_session.build_parser().parse_args(["--out", "o", "--run-dir", str(tmp_path / "run"), "--stages",
+                                                  "train", "--load"])
+    assert sorted(gpu_session.commands_to_check(opts)) == ["train a3g"]  # a resume goes on in its mode
+    fatal = gpu_session.fatal_problems
+    assert fatal({"bench ga3c": ["x"], "bench a3g": [], "train a3g": [], "train ga3c": ["x"]}) == ["bench ga3c: x"]
+    assert fatal({"train a3g": [], "train ga3c": ["y"]}) == []  # the benchmark may choose A3G mode
+    assert fatal({"train a3g": ["z"], "train ga3c": ["y"]}) == ["train a3g: z", "train ga3c: y"]
+    assert fatal({"train ga3c": ["y"]}) == ["train ga3c: y"]
+    del SimpleNamespace
+
+
+def test_the_train_stage_takes_only_the_files_it_wrote(tmp_path):
+    import os
+    import time
+    opts = gpu_session.build_parser().parse_args(["--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "run"),
+                                                  "--env", "PongNoFrameskip-v4"])
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "run" / "models").mkdir()
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    old = tmp_path / "run" / "logs" / "PongNoFrameskip-v4_monitor.csv"
+    old.write_text(header + "0,60,2000,5,100,1,0,6.0\n")
+    os.utime(old, (time.time() - 600, time.time() - 600))  # an earlier call's
+    (tmp_path / "out").mkdir()
+    assert gpu_session.collect_train(opts, tmp_path / "out", started_at=time.time()) == {}
+    assert not (tmp_path / "out" / "train" / old.name).exists()
+    (tmp_path / "run" / "models" / "PongNoFrameskip-v4.dat").write_bytes(b"w")
+    old.write_text(header + "0,60,2000,5,100,1,0,6.0\n0,70,3000,9,100,1,0,7.0\n")
+    got = gpu_session.collect_train(opts, tmp_path / "out", started_at=time.time() - 5)
+    assert got == {"games": 2, "global_steps": 3000, "elapsed_s": 70.0, "last_window_mean": 7.0}
+    assert (tmp_path / "out" / "train" / "PongNoFrameskip-v4.dat").read_bytes() == b"w"
+
+
+def test_a_preflight_that_crashes_says_why(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'RuntimeError: CUDA error: no CUDA-capable device is detected' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    info = gpu_session.preflight(str(fake), on_gpu=True)
+    assert info["ok"] is False and "exit code 1" in info["error"] and "no CUDA-capable device" in info["error"]
+
+
+def test_a_stop_signal_stops_the_stage_writes_the_summary_and_leaves_nothing(tmp_path):
+    """SIGTERM to the session while it trains (the device call's time limit): main.py gets SIGTERM and writes its
+    final files, the session copies them, writes the summary and exits 143; no process of it is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    out, run = tmp_path / "out", tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_session.py"), "--out", str(out),
+                             "--gpu-ids", "-1", "--stages", "train", "--mode", "a3g", "--workers", "1",
+                             "--train-seconds", "300", "--budget-seconds", "500", "--env", "PongNoFrameskip-v4",
+                             "--run-dir", str(run), "--extra", "--hidden-size 32 --test-every-steps 100"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        csv_file = run / "logs" / "PongNoFrameskip-v4_monitor.csv"
+        while time.time() < deadline and proc.poll() is None and not (
+                csv_file.is_file() and csv_file.read_text().count("\n") >= 2):
+            time.sleep(0.5)  # training: the monitor has played a game (a row after the header)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM; the stage in progress was stopped" in err and "Traceback" not in err, err
+    train = json.loads((out / "summary.json").read_text())["train"]
+    assert train["stopped_by"] == "SIGTERM" and train["mode"] == "a3g" and train["games"] >= 1, train
+    assert (out / "train" / "PongNoFrameskip-v4.dat").is_file()
+    assert "stopped: terminated (SIGTERM)" in (out / "train.log").read_text()
+    left = [p for p in psutil.process_iter(["pid"]) if _in_session(p, proc.pid)]
+    assert not left, left
+
+
+def _in_session(p, sid: int) -> bool:
+    import os
+    try:
+        return os.getsid(p.pid) == sid
+    except OSError:
+        return False
     assert not (tmp_path / "out").exists()
 
 

@@ -77,7 +77,11 @@ def test_the_lag_benchmark_runs_with_tiny_sizes(tmp_path):
     assert "vs the gradient at the current weights" in proc.stdout and "rel conv" in proc.stdout
 
 
-@pytest.mark.parametrize("flags", [["--envs", "0"], ["--lags", "-1"]])
-def test_the_lag_benchmark_rejects_bad_sizes(tmp_path, flags):
+@pytest.mark.parametrize("flags, message", [
+    (["--envs", "0"], "--envs must be >= 1"), (["--lags", "-1"], "--lags must be >= 0"),
+    (["--env", "PongNoFrameskip-v5"], "--env: "), (["--json", "/proc/nowhere/lag.json"], "--json '/proc/nowhere/lag.json'"),
+])
+def test_the_lag_benchmark_rejects_bad_input_before_measuring(tmp_path, flags, message):
     proc = run_entry("benchmarks/replay_lag.py", *flags, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "replay_lag.py: error: --" in proc.stderr
+    assert proc.returncode == 2 and "replay_lag.py: error: --" in proc.stderr and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
