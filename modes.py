@@ -40,10 +40,9 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.opt
         "model": cpu_state_dict(shared_model),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "optimizer_name": args.optimizer,
-        "best_score": float(run.monitor[2].item()),
         "elapsed_seconds": float(elapsed),
         "config": config_dict(args),
-        **run.snapshot(),
+        **run.snapshot(),  # best_score among them, read with the monitor's other statistics
         **(extra or {}),
     }
     if average_model is not None:

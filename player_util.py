@@ -54,15 +54,16 @@ class Agent:
         return torch.from_numpy(obs).to(self.device).unsqueeze(0)
 
     def reset(self) -> None:
-        """Reset the environment (a real reset, or the next life) and zero the LSTM state."""
+        """Reset the environment (a real reset, or the next life) and start from a zero LSTM state: new tensors,
+        not the old ones zeroed in place, since an earlier rollout's ``ActivationCache`` holds the last state it
+        handed over (which its replay reads)."""
         if self.seed is not None:
             obs, _ = self.env.reset(seed=self.seed)
             self.seed = None
         else:
             obs, _ = self.env.reset()
         self.obs = self._frame(obs)
-        self.hx.zero_()
-        self.cx.zero_()
+        self.hx, self.cx = self.model.initial_state(1, self.device)
         self.episode_done = False
         self.episode_reward = 0.0
         self.episode_length = 0

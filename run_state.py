@@ -21,6 +21,7 @@ UPDATE_FIELDS = ("updates", "steps", "policy_loss", "value_loss", "entropy", "gr
 EMA = 0.99  # smoothing of the per-worker loss statistics shown in logs and TensorBoard
 ERROR_BYTES = 64 * 1024  # per process; a longer report keeps its head and its tail (``ErrorBoard.report``)
 POLL_SECONDS = 0.02
+STATE_TRIES = 2000  # RunState.monitor_state's reads while a write is under way (a write takes microseconds)
 
 
 class Flag:
@@ -111,7 +112,9 @@ class ErrorBoard:
         self._seen = set()  # per process: slots already returned by ``get``
 
     def report(self, slot: int, role: str, text: str) -> None:
-        data = fit_text(f"{role}\n{text}", self._text.shape[1]).encode("utf-8", "replace")[: self._text.shape[1]]
+        size = self._text.shape[1]
+        prefix = f"{role}\n".encode("utf-8", "replace")
+        data = (prefix + fit_text(text, max(0, size - len(prefix))).encode("utf-8", "replace"))[:size]
         self._text[slot, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._lengths[slot] = len(data)
 
@@ -144,14 +147,20 @@ class ErrorBoard:
         self.__dict__.update(state, _seen=set())
 
 
+NOTE_BYTES = 48  # fit_text's note, "\n[... N characters cut ...]\n", with N up to 10**15
+
+
 def fit_text(text: str, size: int) -> str:
-    """``text`` if it fits in ``size`` bytes of UTF-8, else its head and tail around ``[... N characters cut ...]``."""
+    """``text`` if it fits in ``size`` bytes of UTF-8, else its head and tail around ``[... N characters cut ...]``:
+    a quarter of the characters that surely fit (4 bytes each at most, after the note's bytes) from the head, the
+    rest (the error, in a traceback) from the tail. Under ``NOTE_BYTES`` + 8 bytes the note alone is left."""
     if len(text.encode("utf-8", "replace")) <= size:
         return text
-    keep = size // 4  # characters are at most 4 bytes
-    head, tail = keep // 4, keep - keep // 4 - 64
+    room = max(0, size - NOTE_BYTES) // 4
+    head = room // 4
+    tail = room - head
     cut = len(text) - head - tail
-    return f"{text[:head]}\n[... {cut:,} characters cut ...]\n{text[-tail:]}"
+    return f"{text[:head]}\n[... {cut:,} characters cut ...]\n{text[len(text) - tail:]}"
 
 
 class RunState:
@@ -165,7 +174,9 @@ class RunState:
       learner environment (``norm_rows``, default ``workers``: a worker's, or in GA3C mode an env slot's), and the
       monitor's last (``monitor_norm``). Saved in checkpoints; a run restores it whatever its number of rows.
     - ``update_stats (workers, 6)``: per worker updates, steps and smoothed per-step losses (``UPDATE_FIELDS``).
-    - ``monitor (3,)``: games played, sum of their scores, best score; ``recent (score_window,)`` last scores.
+    - ``monitor (3,)``: games played, sum of their scores, best score; ``recent (score_window,)`` last scores;
+      ``monitor_seq``: odd while the monitor writes them, so that other processes copy them whole
+      (``monitor_state``, a bounded retry, not a lock).
     - ``errors``: ``ErrorBoard`` with a slot per process (worker r: slot r; the monitor: slot ``workers``).
     - ``ready (workers + 1,)``: set by each process (same slots) when its loop starts; a process still starting up
       has nothing to finish and is stopped at once (``a3g.run.shutdown``).
@@ -181,6 +192,9 @@ class RunState:
         self.update_stats = torch.zeros(workers, len(UPDATE_FIELDS), dtype=torch.float64).share_memory_()
         self.monitor = torch.tensor([0.0, 0.0, -math.inf], dtype=torch.float64).share_memory_()
         self.recent = torch.full((score_window,), math.nan, dtype=torch.float64).share_memory_()
+        # odd while record_game writes monitor and recent (its one writer, the monitor process), so that a reader
+        # in another process takes a copy of both from between two writes (monitor_state)
+        self.monitor_seq = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.errors = ErrorBoard(workers + 1)
         self.ready = torch.zeros(workers + 1, dtype=torch.int32).share_memory_()
 
@@ -213,28 +227,48 @@ class RunState:
         """Add a monitor game; return the mean of the last ``score_window`` games once that many were played and
         are known (a resume with a larger ``--score-window`` than its checkpoint's knows fewer at first)."""
         games = int(self.monitor[0].item())
+        self.monitor_seq += 1  # odd: a write is under way
         self.recent[games % self.recent.numel()] = score
         self.monitor[0] += 1
         self.monitor[1] += score
         if score > self.monitor[2].item():
             self.monitor[2] = score
+        self.monitor_seq += 1
         if games + 1 >= self.recent.numel() and not bool(self.recent.isnan().any()):
             return float(self.recent.mean())
         return None
 
     def recent_scores(self) -> list[float]:
         """The monitor's last ``score_window`` scores that are known, oldest first."""
-        games, n = int(self.monitor[0].item()), self.recent.numel()
-        scores = [self.recent[i % n].item() for i in range(max(0, games - n), games)]
-        return [s for s in scores if not math.isnan(s)]
+        return self.monitor_state()[1]
+
+    def monitor_state(self) -> tuple[torch.Tensor, list[float]]:
+        """A consistent copy of the monitor's statistics: ``monitor`` (games, sum of scores, best) and its last
+        known scores (``recent_scores``), both read between two of ``record_game``'s writes, retried while one is
+        under way. A monitor killed mid-write leaves ``monitor_seq`` odd: after ``STATE_TRIES`` the values are
+        taken as they are, so nothing here can wait for ever."""
+        for _ in range(STATE_TRIES):
+            before = int(self.monitor_seq[0])
+            if before % 2 == 0:
+                monitor, recent = self.monitor.clone(), self.recent.clone()
+                if int(self.monitor_seq[0]) == before:
+                    break
+            time.sleep(POLL_SECONDS / 20)
+        else:
+            monitor, recent = self.monitor.clone(), self.recent.clone()
+        games, n = int(monitor[0].item()), recent.numel()
+        scores = [recent[i % n].item() for i in range(max(0, games - n), games)]
+        return monitor, [s for s in scores if not math.isnan(s)]
 
     def snapshot(self) -> dict:
         """Counters and statistics for a checkpoint (plain values and CPU tensors)."""
+        monitor, recent = self.monitor_state()
         return {
             "global_steps": int(self.global_steps.value),
             "norm_stats": self.norm_stats.clone(),
-            "monitor": self.monitor.clone(),
-            "recent_scores": self.recent_scores(),
+            "monitor": monitor,
+            "best_score": float(monitor[2].item()),
+            "recent_scores": recent,
         }
 
     def restore(self, ckpt: dict) -> None:

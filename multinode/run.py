@@ -562,9 +562,9 @@ class RayRun(Mode):
         """What the driver adds to the parameter server's checkpoint: the monitor's statistics, its normalisation
         row, the elapsed time and the flags."""
         from config import config_dict
-        return {"best_score": float(self.run.monitor[2].item()), "elapsed_seconds": float(elapsed),
-                "config": config_dict(self.args), "monitor": self.run.monitor.clone(),
-                "recent_scores": self.run.recent_scores(),
+        monitor, recent = self.run.monitor_state()
+        return {"best_score": float(monitor[2].item()), "elapsed_seconds": float(elapsed),
+                "config": config_dict(self.args), "monitor": monitor, "recent_scores": recent,
                 "monitor_norm_row": self.run.norm_stats[self.run.monitor_norm].clone()}
 
     def save(self, elapsed: float, final: bool = False) -> Path:

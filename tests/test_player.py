@@ -72,6 +72,29 @@ def test_lstm_state_zeroed_at_episode_end_and_detached_between_rollouts():
     assert torch.count_nonzero(r3.state[0]) == 0 and torch.count_nonzero(r3.state[1]) == 0
 
 
+def test_a_rollout_replays_the_same_after_the_next_rollout_reset_the_agent():
+    """An episode that ends after a rollout: the next rollout's reset must not change what the first one's cache
+    holds (its last LSTM state), so that the first replays to the step-by-step gradient whenever it is updated."""
+    agent = make_agent(max_episode_length=12, episodic_life=False, hidden=32)
+    first = agent.rollout(50)  # truncated after 10 steps: the next rollout resets
+    assert first.truncated
+
+    def replayed():
+        agent.model.zero_grad(set_to_none=True)
+        loss = rollout_loss(agent.model, first, **KW)
+        loss.total.backward()
+        return loss.total.item(), [p.grad.clone() for p in agent.model.parameters()]
+    before = replayed()
+    agent.rollout(5)
+    after = replayed()
+    agent.model.zero_grad(set_to_none=True)
+    reference = stepwise_rollout_loss(agent.model, first, **KW)
+    reference.total.backward()
+    assert after[0] == pytest.approx(before[0], rel=1e-6) == pytest.approx(reference.total.item(), rel=1e-4)
+    for a, b in zip(after[1], before[1]):
+        assert torch.equal(a, b)
+
+
 def test_gradient_handoff_assigns_every_update():
     local, shared = A3Clstm(1, 6, 16), A3Clstm(1, 6, 16)
     handoff = GradientHandoff(local, shared)

@@ -34,6 +34,21 @@ def test_fit_text_keeps_head_and_tail_of_a_long_text_within_the_size():
     assert len(kept_head) > 100 and len(kept_tail) > len(kept_head)  # the tail (the error) gets the most room
 
 
+@pytest.mark.parametrize("size", [56, 100, 128, 256, 343, 512, 4096])
+def test_fit_text_fits_small_sizes_too_and_keeps_the_last_line(size):
+    text = "Traceback (most recent call last):\n" + "".join(f"  frame {i}\n" for i in range(500)) + "ValueError: x"
+    out = fit_text(text, size)
+    assert len(out.encode("utf-8")) <= size, (size, len(out.encode("utf-8")))
+    m = re.fullmatch(r"(.*)\n\[\.\.\. ([\d,]+) characters cut \.\.\.\]\n(.*)", out, re.DOTALL)
+    assert m and len(m.group(1)) + int(m.group(2).replace(",", "")) + len(m.group(3)) == len(text)
+    if size >= 128:
+        assert out.endswith("ValueError: x")
+    board = ErrorBoard(1, size=size)
+    board.report(0, "worker 0", text)
+    role, got = board.get(timeout=0)
+    assert role == "worker 0" and (size < 128 or got.endswith("ValueError: x")), got
+
+
 def test_fit_text_counts_bytes_not_characters():
     text = "€" * 5000  # 3 bytes each
     out = fit_text(text, 1024)
@@ -216,3 +231,42 @@ def test_any_of_is_set_when_any_one_flag_is():
     a.set()
     assert stop.is_set()
     assert not AnyOf().is_set()  # no flag: never set
+
+
+def test_a_checkpoint_never_takes_the_monitors_statistics_in_the_middle_of_a_game_being_recorded():
+    """The main process reads the monitor's statistics (``snapshot``) while the monitor process may be recording a
+    game: a score already in the window but not yet in the count would make a resumed window mean wrong. While a
+    write is under way (``monitor_seq`` odd) the read waits for its end, then takes both from between writes."""
+    import threading
+    run = RunState(1, score_window=4)
+    for score in (1.0, 2.0, 3.0, 4.0, 5.0):
+        run.record_game(score)
+    games = int(run.monitor[0])
+    run.monitor_seq += 1  # the monitor process is between record_game's first and last write:
+    run.recent[games % 4] = 100.0  # the score is in the window, the count not yet
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(run.snapshot()))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not got  # it waits for the write to end
+    run.monitor[0] += 1
+    run.monitor[1] += 100.0
+    run.monitor[2] = 100.0
+    run.monitor_seq += 1
+    reader.join(5)
+    assert got["monitor"].tolist() == [6.0, 115.0, 100.0] and got["best_score"] == 100.0
+    assert got["recent_scores"] == [3.0, 4.0, 5.0, 100.0]
+    resumed = RunState(1, score_window=4)
+    resumed.restore(got)
+    assert resumed.record_game(6.0) == (4.0 + 5.0 + 100.0 + 6.0) / 4
+
+
+def test_a_monitor_killed_while_recording_a_game_does_not_hold_a_checkpoint_for_ever(monkeypatch):
+    import run_state
+    monkeypatch.setattr(run_state, "STATE_TRIES", 50)
+    run = RunState(1, score_window=4)
+    run.record_game(7.0)
+    run.monitor_seq += 1  # left odd: the writer died mid-write
+    t = time.monotonic()
+    monitor, recent = run.monitor_state()
+    assert time.monotonic() - t < 5 and monitor.tolist() == [1.0, 7.0, 7.0] and recent == [7.0]

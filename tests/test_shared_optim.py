@@ -108,6 +108,9 @@ def test_resuming_plain_adam_statistics_with_amsgrad_on_steps():
         p.grad = torch.ones_like(p)
     dst.step()  # the AMSGrad maximum starts from the loaded second moments
     for p in params:
+        assert float(dst.state[p]["step"]) == 2  # the loaded step, then this one
+        v = 0.999 * 0.001 + 0.001  # the second moment after two gradients of ones (beta2 0.999)
+        assert torch.allclose(dst.state[p]["exp_avg_sq"], torch.full_like(p, v), rtol=1e-6, atol=0)
         assert torch.equal(dst.state[p]["max_exp_avg_sq"], dst.state[p]["exp_avg_sq"])
 
 
