@@ -166,13 +166,20 @@ def connect(args: Namespace, stop=None):
 def stuck_connecting(address: str):
     """``lifeline.StartupWatch``'s ``on_stuck`` while ``ray.init`` connects (a stop signal came and the call did
     not return within ``START_GRACE_SECONDS``): one line on stderr, and a ``local`` cluster's processes killed."""
+    return _on_stuck(lambda line: print(f"main.py: {line}", file=sys.stderr, flush=True), address == "local",
+                     f"while connecting to Ray at {address}, which did not return within {START_GRACE_SECONDS:.0f} s; "
+                     f"nothing written")
+
+
+def _on_stuck(say, local: bool, what: str):
+    """An ``on_stuck(signum)``: ``say`` (one line: the signal's name and ``what``), then, for a ``local`` cluster,
+    kill it (``kill_local_cluster``), whatever ``say`` raised."""
     def on_stuck(signum: int) -> None:
         try:
             name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
-            print(f"main.py: {name} while connecting to Ray at {address}, which did not return within "
-                  f"{START_GRACE_SECONDS:.0f} s; nothing written", file=sys.stderr, flush=True)
+            say(f"{name} {what}")
         finally:
-            if address == "local":
+            if local:
                 kill_local_cluster()
     return on_stuck
 
@@ -230,15 +237,9 @@ def stuck_start_up(log, local: bool):
     the whole process group also reaches a ``local`` cluster's processes, and a Ray call (seen: creating the
     parameter server's actor, which waits on the cluster's control store) can then block for a minute or more
     inside Ray's C++ client."""
-    def on_stuck(signum: int) -> None:
-        try:
-            name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
-            log.info(f"stopped: {name} while Ray was starting, and a Ray call did not return within "
-                     f"{START_GRACE_SECONDS:.0f} s; nothing was trained in this run, its checkpoints are as they were")
-        finally:
-            if local:
-                kill_local_cluster()
-    return on_stuck
+    return _on_stuck(lambda line: log.info(f"stopped: {line}"), local, f"while Ray was starting, and a Ray call did not return within "
+                                      f"{START_GRACE_SECONDS:.0f} s; nothing was trained in this run, its "
+                                      f"checkpoints are as they were")
 
 
 def shutdown_hung() -> bool:

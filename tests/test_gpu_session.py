@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, run_entry
+from conftest import ROOT, processes_left, run_entry
 
 _spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "benchmarks" / "gpu_session.py")
 gpu_session = importlib.util.module_from_spec(_spec)
@@ -163,7 +163,6 @@ def test_flags_main_py_refuses_end_the_session_after_the_check_of_the_machine(tm
 
 
 def test_which_commands_are_checked_and_which_problems_stop_the_session(tmp_path):
-    from types import SimpleNamespace
     opts = gpu_session.build_parser().parse_args(["--out", "o", "--run-dir", str(tmp_path / "run")])
     checks = gpu_session.commands_to_check(opts)
     assert sorted(checks) == ["bench a3g", "bench ga3c", "train a3g", "train ga3c"]
@@ -178,7 +177,6 @@ def test_which_commands_are_checked_and_which_problems_stop_the_session(tmp_path
     assert fatal({"train a3g": [], "train ga3c": ["y"]}) == []  # the benchmark may choose A3G mode
     assert fatal({"train a3g": ["z"], "train ga3c": ["y"]}) == ["train a3g: z", "train ga3c: y"]
     assert fatal({"train ga3c": ["y"]}) == ["train ga3c: y"]
-    del SimpleNamespace
 
 
 def test_the_train_stage_takes_only_the_files_it_wrote(tmp_path):
@@ -218,8 +216,6 @@ def test_a_stop_signal_stops_the_stage_writes_the_summary_and_leaves_nothing(tmp
     import subprocess
     import sys
     import time
-
-    import psutil
     out, run = tmp_path / "out", tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_session.py"), "--out", str(out),
                              "--gpu-ids", "-1", "--stages", "train", "--mode", "a3g", "--workers", "1",
@@ -246,17 +242,7 @@ def test_a_stop_signal_stops_the_stage_writes_the_summary_and_leaves_nothing(tmp
     assert train["stopped_by"] == "SIGTERM" and train["mode"] == "a3g" and train["games"] >= 1, train
     assert (out / "train" / "PongNoFrameskip-v4.dat").is_file()
     assert "stopped: terminated (SIGTERM)" in (out / "train.log").read_text()
-    left = [p for p in psutil.process_iter(["pid"]) if _in_session(p, proc.pid)]
-    assert not left, left
-
-
-def _in_session(p, sid: int) -> bool:
-    import os
-    try:
-        return os.getsid(p.pid) == sid
-    except OSError:
-        return False
-    assert not (tmp_path / "out").exists()
+    assert not processes_left(proc.pid)
 
 
 @pytest.mark.slow  # about 2 minutes: a benchmark of both modes and two short training runs

@@ -637,8 +637,6 @@ def test_a_clusters_processes_are_the_drivers_only_when_they_started_after_it():
 def test_a_node_that_rejoins_after_the_parameter_server_restarted_is_logged_as_rejoined():
     """The driver counts each node's starts itself: a restarted parameter server counts joins from 0 again, and a
     node that then restarts (its first join there) is still a rejoin."""
-    import logging
-
     from config import build_parser
     from multinode.run import RayRun
     args = build_parser().parse_args(["--ray-address", "local", "--nodes", "2", "--workers", "1"])
@@ -661,7 +659,6 @@ def test_a_node_that_rejoins_after_the_parameter_server_restarted_is_logged_as_r
     run._server_answered(status(2.0, 90, 0, 1), 3.0)  # then node 1 restarted: the new server's first join
     assert [ln for ln in lines if "rejoined" in ln][1:] == ["node 1 rejoined (start 2) from the global weights at "
                                                             "90 global steps"]
-    logging.getLogger(__name__).debug("%s", lines)
 
 
 def test_without_ray_address_ray_is_never_imported(tmp_path):
