@@ -64,7 +64,7 @@ MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.00
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
                    "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
-                   "short_game_slots", "short_game_length", "greedy_slots")
+                   "short_game_slots", "short_game_length", "greedy_slots", "train_passes", "pass_clip")
 _NOT_GIVEN = object()
 
 
@@ -283,6 +283,14 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--is-clip", type=float, default=0.0,
                    help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
                         "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")
+    g.add_argument("--train-passes", type=int, default=1, metavar="K",
+                   help="optimizer steps on each batch; above 1 every pass's policy term is PPO's clipped surrogate "
+                        "against the acting policy (--pass-clip), so that the batch is learned from K times without "
+                        "one action's probability moving far from the one that acted; 1 = plain A3C "
+                        "(default: %(default)s)")
+    g.add_argument("--pass-clip", type=float, default=0.2, metavar="EPS",
+                   help="with --train-passes above 1, the clipped surrogate's epsilon: a step's ratio pi/mu gives no "
+                        "gradient beyond 1 +- EPS in the direction of its advantage (default: %(default)s, PPO's)")
     g.add_argument("--dynamic", action=BoolFlag, default=False,
                    help="adjust the numbers of trainers, predictors and agents by measured training throughput "
                         "(GA3C DYNAMIC_SETTINGS), within --dynamic-max (default: off)")
@@ -546,6 +554,7 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
                            "queue_size", "sync_every") if getattr(args, name) < 1]
     if args.is_clip < 0:
         errors.append(f"--is-clip must be > 0 (or 0 = off), got {args.is_clip:g}")
+    errors += train_passes_problems(args)
     if args.mode == "ga3c":
         from ga3c.buffers import ordering_problem
         problem = ordering_problem()
@@ -561,6 +570,25 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
                 errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
+    return errors
+
+
+def train_passes_problems(args: argparse.Namespace) -> list[str]:
+    """``--train-passes K`` (K >= 1) and ``--pass-clip EPS`` (0 < EPS < 1); K > 1 is not combined with
+    ``--is-clip`` or ``--greedy-slots`` (their importance weights and the clipped surrogate are two different
+    policy terms)."""
+    errors = []
+    if args.train_passes < 1:
+        errors.append(f"--train-passes must be >= 1 (1 = one optimizer step per batch), got {args.train_passes}")
+    if not 0 < args.pass_clip < 1:
+        errors.append(f"--pass-clip must be between 0 and 1 (exclusive), got {args.pass_clip:g}")
+    if args.train_passes > 1:
+        both = [flag for flag, on in (("--is-clip", args.is_clip > 0),
+                                      ("--greedy-slots", getattr(args, "greedy_slots", 0) > 0)) if on]
+        if both:
+            errors.append(f"--train-passes {args.train_passes} trains with the clipped surrogate, which is not "
+                          f"combined with {' or '.join(both)}; leave {'it' if len(both) == 1 else 'them'} out, or "
+                          f"use --train-passes 1")
     return errors
 
 

@@ -752,7 +752,8 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
                                                      "predict_batch", "train_batch", "queue_size", "num_steps",
-                                                     "dynamic", "compute_precision", "replay_activations")}
+                                                     "dynamic", "compute_precision", "replay_activations",
+                                                     "train_passes")}
         res["roof_fraction_ga3c"] = g["steps_per_s"] * flop / (roof * 1e9)
         res["ga3c_over_a3g"] = g["steps_per_s"] / tr["steps_per_s"]
         print(f"GA3C mode ({' '.join(f'{k}={v}' for k, v in g['flags'].items())}) + monitor: "

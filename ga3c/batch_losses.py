@@ -17,6 +17,13 @@ the value and entropy terms are unweighted). ``is_clip=None`` is plain GA3C and 
 Greedy slots (``--greedy-slots``): their steps took the argmax action and recorded ``mu = 1``, so their
 policy-gradient terms are weighted by ``w = min(pi(a)/mu(a), max(is_clip, 1))`` = ``pi(a)`` whether or not
 ``is_clip`` is set: the truncated importance weight of a deterministic behaviour policy. ``greedy`` marks them.
+
+Several passes over one batch (``--train-passes K``, K > 1): every pass's policy term is PPO's clipped surrogate
+(Schulman et al. 2017) with the recorded ``mu`` as the old policy, ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps)
+A_i)``, ``r_i = pi(a_i)/mu(a_i)`` with gradient (``pass_clip`` = eps): a step whose ratio has already moved past
+``1 +- eps`` in the direction its advantage pushes gives no gradient, so the passes after the first cannot push one
+action's probability far from the one that acted. Where ``r = 1`` its gradient is the plain term's.
+Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
 """
 from __future__ import annotations
 
@@ -79,6 +86,17 @@ def importance_weights(log_probs_taken: torch.Tensor, mu: torch.Tensor, is_clip:
     return ratio.clamp(max=is_clip)
 
 
+def clipped_surrogate_loss(log_probs_taken: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped policy loss ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps) A_i)`` with
+    ``r_i = exp(log pi(a_i) - log mu(a_i))`` (gradient through ``log_probs_taken`` only; advantages and ``mu`` are
+    constants), and the ratios ``r`` detached. ``(S,) -> ((), (S,))``."""
+    ratio = torch.exp(log_probs_taken - torch.log(mu.to(log_probs_taken.dtype)))
+    adv = advantages.detach()
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps, 1.0 + eps) * adv)
+    return -surrogate.sum(), ratio.detach()
+
+
 def greedy_clip(is_clip: float | None) -> float:
     """The clip of a greedy step's importance weight: ``is_clip``, but at least 1 (``pi/1`` is never above 1)."""
     return 1.0 if is_clip is None else max(is_clip, 1.0)
@@ -86,23 +104,31 @@ def greedy_clip(is_clip: float | None) -> float:
 
 def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
                  bootstrap: float, *, mu: torch.Tensor | None = None, is_clip: float | None = None, gamma: float,
-                 tau: float, entropy_coef: float, value_coef: float, greedy: bool = False) -> A3CLoss:
+                 tau: float, entropy_coef: float, value_coef: float, greedy: bool = False,
+                 pass_clip: float | None = None) -> A3CLoss:
     """One segment's loss, the reference the batched loss is tested against.
 
-    ``is_clip=None`` and not ``greedy``: exactly ``losses.a3c_loss``. Otherwise the same terms with the
-    policy-gradient term of step i weighted by ``importance_weights``: ``-sum_i w_i log pi(a_i) A_i``, clipped at
-    ``is_clip``, or at ``greedy_clip(is_clip)`` for a greedy slot's segment.
+    ``is_clip=None``, not ``greedy`` and ``pass_clip=None``: exactly ``losses.a3c_loss``. With ``pass_clip`` the
+    policy term is ``clipped_surrogate_loss`` against ``mu`` (``is_clip`` and ``greedy`` are not combined with it).
+    Otherwise the same terms with the policy-gradient term of step i weighted by ``importance_weights``:
+    ``-sum_i w_i log pi(a_i) A_i``, clipped at ``is_clip``, or at ``greedy_clip(is_clip)`` for a greedy slot's
+    segment.
     """
-    if is_clip is None and not greedy:
+    if pass_clip is not None and (is_clip is not None or greedy):
+        raise ValueError("pass_clip is not combined with is_clip or greedy slots")
+    if is_clip is None and not greedy and pass_clip is None:
         return a3c_loss(logits, values, actions, rewards, bootstrap, gamma=gamma, tau=tau,
                         entropy_coef=entropy_coef, value_coef=value_coef)
     rewards = rewards.to(values.dtype)
     returns = discounted_returns(rewards.detach().cpu(), bootstrap, gamma).to(values.device)
     adv = gae_advantages(rewards.detach().cpu(), values.detach().cpu(), bootstrap, gamma, tau).to(values.device)
     taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
-    w = importance_weights(taken, mu.to(values.device), greedy_clip(is_clip) if greedy else is_clip)
+    if pass_clip is not None:
+        p_loss, _ = clipped_surrogate_loss(taken, mu.to(values.device), adv, pass_clip)
+    else:
+        w = importance_weights(taken, mu.to(values.device), greedy_clip(is_clip) if greedy else is_clip)
+        p_loss = policy_loss(taken, adv * w)
     ent = entropy(logits).sum()
-    p_loss = policy_loss(taken, adv * w)
     v_loss = value_loss(values, returns)
     return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent)
 
@@ -110,7 +136,8 @@ def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tens
 def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
                      bootstrap: torch.Tensor, lengths: torch.Tensor, *, mu: torch.Tensor | None = None,
                      is_clip: float | None = None, gamma: float, tau: float, entropy_coef: float,
-                     value_coef: float, greedy: torch.Tensor | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
+                     value_coef: float, greedy: torch.Tensor | None = None,
+                     pass_clip: float | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
     """The sum over segments of ``segment_loss``, computed at once.
 
     Flat segment-major ``logits (S, A)``, ``values (S,)``, ``actions (S,)``, ``rewards (S,)``, ``mu (S,)``,
@@ -129,6 +156,13 @@ def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.
     w = None
     if greedy is not None and not bool(greedy.any()):
         greedy = None
+    if pass_clip is not None:
+        if is_clip is not None or greedy is not None:
+            raise ValueError("pass_clip is not combined with is_clip or greedy slots")
+        p_loss, w = clipped_surrogate_loss(taken, mu.to(values.device), adv, pass_clip)
+        ent = entropy(logits).sum()
+        v_loss = value_loss(values, returns)
+        return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent), w
     if is_clip is not None or greedy is not None:
         mu = mu.to(values.device)
         w = (importance_weights(taken, mu, is_clip) if is_clip is not None

@@ -27,7 +27,13 @@ class Ga3cSettings:
     entropy_anneal_steps: int = 0  # entropy_coef falls linearly to 0 at this many global steps; 0 = constant
     short_game_slots: int = 0  # env slots 0..K-1 play cut games (the agents' business; here to place the next)
     greedy_slots: int = 0  # env slots K..K+G-1 act greedily (argmax, mu = 1); see batch_losses
+    train_passes: int = 1  # optimizer steps per batch; above 1 the policy term is PPO's clipped surrogate
+    pass_clip: float = 0.2  # its epsilon (used only when train_passes > 1)
     ema_steps: int = 0  # the time constant of the weights' moving average in agent steps (averaging.py); 0 = none
+
+    def surrogate_clip(self) -> float | None:
+        """The clipped surrogate's epsilon when several passes train each batch, else None (the plain loss)."""
+        return self.pass_clip if self.train_passes > 1 else None
 
     def greedy_slot_ids(self) -> range:
         """The env slots that act greedily: the ``greedy_slots`` after the ``short_game_slots``."""
@@ -54,6 +60,10 @@ class Ga3cSettings:
             (self.entropy_anneal_steps >= 0, f"entropy_anneal_steps must be >= 0, got {self.entropy_anneal_steps}"),
             (self.short_game_slots >= 0, f"short_game_slots must be >= 0, got {self.short_game_slots}"),
             (self.greedy_slots >= 0, f"greedy_slots must be >= 0, got {self.greedy_slots}"),
+            (self.train_passes >= 1, f"train_passes must be >= 1, got {self.train_passes}"),
+            (0 < self.pass_clip < 1, f"pass_clip must be between 0 and 1, got {self.pass_clip}"),
+            (self.train_passes == 1 or (self.is_clip is None and self.greedy_slots == 0),
+             "train_passes > 1 is not combined with is_clip or greedy_slots"),
             (self.ema_steps >= 0, f"ema_steps must be >= 0, got {self.ema_steps}"),
             (self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}"),
             (self.compute_precision in DTYPES, f"compute_precision must be one of {', '.join(DTYPES)}, got "

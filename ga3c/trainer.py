@@ -19,6 +19,10 @@ So the forward and backward run in parallel on private copies, and only the hand
 (milliseconds) hold ``step_lock``, an in-process ``threading.Lock`` (a thread that fails releases it; no
 cross-process lock is involved).
 
+Several passes (``--train-passes K``): ``update`` makes K optimizer steps on one batch, each a fresh copy of the
+shared weights, forward and backward (the clipped surrogate, ``batch_losses``); from the second pass on the
+weights have moved, so every frame's convolutions run again.
+
 Policy lag: each update records, per batch, the mean and max over steps of ``version now - version that acted``.
 
 Saved activations (``--replay-activations``): the gradient of an update is always the one at the weights the
@@ -157,12 +161,13 @@ def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Te
 def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings,
                entropy_coef: float | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
     """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set or a segment is a
-    greedy slot's); ``entropy_coef``: the entropy bonus weight (default ``settings.entropy_coef``)."""
+    greedy slot's; the ratios pi/mu with ``settings.train_passes > 1``); ``entropy_coef``: the entropy bonus weight (default ``settings.entropy_coef``)."""
     values, logits = batched_unroll(model, batch)
     return batched_a3c_loss(logits, values, batch.actions, batch.rewards, batch.bootstrap, batch.lengths,
                             mu=batch.mu, is_clip=settings.is_clip, gamma=settings.gamma, tau=settings.tau,
                             entropy_coef=settings.entropy_coef if entropy_coef is None else entropy_coef,
-                            value_coef=settings.value_coef, greedy=batch.greedy)
+                            value_coef=settings.value_coef, greedy=batch.greedy,
+                            pass_clip=settings.surrogate_clip())
 
 
 @dataclass
@@ -216,10 +221,19 @@ class Trainer:
         return int(self.counters.agent_steps.sum()) if self.counters is not None else 0
 
     def update(self, segments: list[Segment]) -> UpdateResult:
-        """One optimizer step on the shared model from ``segments``: the gradient at the shared weights copied at
-        the start (saved activations replayed only for the frames those weights acted on, see the module
-        docstring), handed over and stepped under ``step_lock``, where the version then moves (and the moving
-        average, with ``average_model``, takes the new weights in)."""
+        """``settings.train_passes`` optimizer steps on the shared model from ``segments`` (one by default); returns
+        the last pass's result. Each pass: the gradient at the shared weights copied at its start (saved
+        activations replayed only for the frames those weights acted on, see the module docstring), handed over
+        and stepped under ``step_lock``, where the version then moves (and the moving average, with
+        ``average_model``, takes the new weights in). With several passes every pass's policy term is the clipped
+        surrogate (``batch_losses``); the batch's transitions and segments are counted once, on the first pass,
+        and every pass's policy lag goes into the counters' histogram."""
+        result = None
+        for p in range(self.settings.train_passes):
+            result = self._step(segments, first=p == 0)
+        return result
+
+    def _step(self, segments: list[Segment], *, first: bool) -> UpdateResult:
         with self.step_lock:  # no other trainer's step between reading the version and copying its weights
             version = self.version()
             sync_weights(self.model, self.shared)
@@ -250,7 +264,8 @@ class Trainer:
                 update_average(self.average, self.shared, n, self.settings.ema_steps)
             self.updates += 1
             if self.counters is not None:  # the version moves with the weights (see the module docstring)
-                self.counters.record_update(self.index, steps=n, segments=result.segments,
+                self.counters.record_update(self.index, steps=n if first else 0,
+                                            segments=result.segments if first else 0,
                                             lag_mean=result.lag_mean, lag_max=result.lag_max, grad_norm=grad_norm,
                                             lags=lags, **per_step)
         return result
@@ -258,7 +273,8 @@ class Trainer:
     def run(self, source: "queue.Queue[Segment]", stop, max_updates: int | None = None,
             poll: float = 0.05) -> int:
         """Take segments from ``source`` and update every ``train_batch`` of them, until ``stop.is_set()`` (or
-        ``max_updates``); a partial batch at the stop is dropped. Returns the number of updates made."""
+        ``max_updates`` batches); a partial batch at the stop is dropped. Returns the number of batches trained
+        (each ``settings.train_passes`` optimizer steps)."""
         pending: list[Segment] = []
         done = 0
         while not stop.is_set() and (max_updates is None or done < max_updates):

@@ -67,11 +67,12 @@ def assert_same_optimizer_state(optimizer: torch.optim.Optimizer, params, refere
             assert (a - b).abs().max() <= 1e-3 * b.abs().max() + 1e-12, f"{name}: {key} differs from the reference"
 
 
-def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy_coef, value_coef) -> float:
+def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy_coef, value_coef,
+                                pass_clip=None) -> float:
     """GA3C's reference gradient: the repo's A3C one segment at a time (upstream's batch-1 ``A3Clstm.forward`` at
     every step from the segment's initial LSTM state, then ``ga3c.batch_losses.segment_loss``: ``losses.a3c_loss``,
-    with the importance-weighted policy term for ``is_clip``); the gradients accumulate over the segments in
-    ``model``'s ``.grad`` (zeroed first). Returns the summed loss."""
+    with the importance-weighted policy term for ``is_clip``, the clipped surrogate for ``pass_clip``); the
+    gradients accumulate over the segments in ``model``'s ``.grad`` (zeroed first). Returns the summed loss."""
     from ga3c.batch_losses import segment_loss
     model.zero_grad(set_to_none=True)
     total = 0.0
@@ -84,7 +85,7 @@ def segments_reference_backward(model, segments, *, is_clip, gamma, tau, entropy
             logits.append(lg)
         loss = segment_loss(torch.cat(logits), torch.cat(values), s.actions, s.rewards, s.bootstrap, mu=s.mu,
                             is_clip=is_clip, gamma=gamma, tau=tau, entropy_coef=entropy_coef, value_coef=value_coef,
-                            greedy=s.greedy)
+                            greedy=s.greedy, pass_clip=pass_clip)
         loss.total.backward()
         total += loss.total.item()
     return total

@@ -248,6 +248,29 @@ def test_greedy_slots_are_checked(argv, want):
     assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--train-passes", "3", "--pass-clip", "0.1"], []),
+    (["--train-passes", "0"], ["--train-passes must be >= 1 (1 = one optimizer step per batch), got 0"]),
+    (["--pass-clip", "1"], ["--pass-clip must be between 0 and 1 (exclusive), got 1"]),
+    (["--pass-clip", "0"], ["--pass-clip must be between 0 and 1 (exclusive), got 0"]),
+    (["--train-passes", "1", "--is-clip", "2", "--greedy-slots", "1"], []),
+    (["--train-passes", "2", "--is-clip", "2"],
+     ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip; leave it out, or "
+      "use --train-passes 1"]),
+    (["--train-passes", "2", "--is-clip", "2", "--greedy-slots", "1"],
+     ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip or --greedy-slots; "
+      "leave them out, or use --train-passes 1"]),
+    (["--mode", "a3g", "--train-passes", "2"], ["--train-passes: only GA3C mode has it"])])
+def test_train_passes_are_checked(argv, want):
+    from ga3c.settings import Ga3cSettings
+
+    args = parse(*argv)
+    errors = validate(args)
+    assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
+    if not errors:  # what passes here passes the settings' own check
+        assert Ga3cSettings.from_args(args).problems() == []
+
+
 def test_the_start_up_line_names_the_greedy_slots_and_the_factory_leaves_their_games_out():
     from config import greedy_slots_line
     from ga3c.agent import AtariEnvFactory

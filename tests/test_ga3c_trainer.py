@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import segments_reference_backward
-from ga3c.batch_losses import (batched_returns_advantages, flat_index, importance_weights, padded,
-                               segment_loss)
+from ga3c.batch_losses import (batched_returns_advantages, clipped_surrogate_loss, flat_index, importance_weights,
+                               padded, segment_loss)
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows
 from ga3c.settings import Ga3cSettings
 from ga3c.stats import Ga3cCounters
@@ -103,6 +103,36 @@ def test_a_greedy_segments_policy_term_is_weighted_by_pi_of_its_actions():
         assert got.policy.item() != pytest.approx(ref.policy.item(), rel=1e-2)  # the weights matter here
 
 
+def test_clipped_surrogate_hand_computed():
+    """PPO's clip, eps 0.2, six steps: (r, A) = (2, 1) clipped at 1.2, no gradient; (0.5, 1) kept; (1, -2) and
+    (1, 3) kept; (0.5, -1) clipped at 0.8, no gradient; (2, -1) kept. Loss -(1.2 + 0.5 - 2 + 3 - 0.8 - 2) = 0.1;
+    d loss / d log pi(a_i) = -r_i A_i where kept, else 0."""
+    pi, mu = t(0.5, 0.2, 0.3, 0.1, 0.1, 0.4), t(0.25, 0.4, 0.3, 0.1, 0.2, 0.2)
+    adv = t(1, 1, -2, 3, -1, -1)
+    log_pi = torch.log(pi).requires_grad_()
+    loss, ratio = clipped_surrogate_loss(log_pi, mu, adv, 0.2)
+    assert loss.item() == pytest.approx(0.1, abs=1e-6)
+    assert torch.allclose(ratio, t(2, 0.5, 1, 1, 0.5, 2)) and not ratio.requires_grad
+    loss.backward()
+    assert torch.allclose(log_pi.grad, t(0, -0.5, 2, -3, 0, 2), atol=1e-6)
+    # mu = pi: every ratio 1, so the policy term is -sum A (not -sum log pi A) but its gradient is the plain term's
+    # (the first pass of a batch with no policy lag); the value and entropy terms are the plain ones
+    logits, values = torch.randn(4, A, generator=torch.Generator().manual_seed(5)), t(0.1, -0.2, 0.3, 0.0)
+    actions, rewards = torch.tensor([0, 3, 5, 1]), t(0, 1, -1, 0)
+    on = torch.softmax(logits, 1).gather(1, actions.view(-1, 1)).squeeze(1).detach()
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ref = a3c_loss(a, values, actions, rewards, 0.5, **KW)
+    got = segment_loss(b, values, actions, rewards, 0.5, mu=on, pass_clip=0.2, **KW)
+    adv = gae_advantages(rewards, values, 0.5, KW["gamma"], KW["tau"])
+    assert got.policy.item() == pytest.approx(-adv.sum().item(), rel=1e-5)
+    assert got.value.item() == ref.value.item() and got.entropy.item() == pytest.approx(ref.entropy.item())
+    ref.total.backward()
+    got.total.backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    with pytest.raises(ValueError, match="pass_clip"):
+        segment_loss(logits, values, actions, rewards, 0.5, mu=on, is_clip=1.0, pass_clip=0.2, **KW)
+
+
 def random_segments(lengths, ends, seed=0, greedy=()):
     """Segments with random frames, non-zero initial states, behaviour probabilities and versions; ``ends``:
     'cut' (bootstrap V), 'term' (bootstrap 0), 'trunc' (bootstrap V); the segments at the indices in ``greedy``
@@ -124,27 +154,43 @@ def random_segments(lengths, ends, seed=0, greedy=()):
 LENGTHS, ENDS = [5, 2, 5, 3], ["cut", "term", "cut", "trunc"]
 
 
-def per_segment_reference(model, segments, is_clip):
+def per_segment_reference(model, segments, is_clip, pass_clip=None):
     """The repo's A3C one segment at a time (``conftest.segments_reference_backward``): the summed loss and the
     summed gradients."""
-    total = segments_reference_backward(model, segments, is_clip=is_clip, **KW)
+    total = segments_reference_backward(model, segments, is_clip=is_clip, pass_clip=pass_clip, **KW)
     return total, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("is_clip,greedy", [(None, ()), (1.2, ()), (None, (1, 3)), (1.2, (0, 2))])
-def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip, greedy):
+@pytest.mark.parametrize("is_clip,greedy,passes", [(None, (), 1), (1.2, (), 1), (None, (1, 3), 1), (1.2, (0, 2), 1),
+                                                  (None, (), 2)])
+def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip, greedy, passes):
     torch.manual_seed(0)
     ref = A3Clstm(1, A, H)
     segments = random_segments(LENGTHS, ENDS, greedy=greedy)
-    ref_total, ref_grads = per_segment_reference(ref, segments, is_clip)
+    settings = Ga3cSettings(is_clip=is_clip, train_passes=passes, pass_clip=0.2, **KW)
+    if passes > 1:  # mu about pi, so that some ratios fall inside 1 +- 0.2 and some outside
+        with torch.no_grad():
+            _, logits = batched_unroll(ref, assemble(segments, version=None))
+        pi = torch.softmax(logits, 1).gather(1, assemble(segments, version=None).actions.view(-1, 1)).squeeze(1)
+        scale = 0.6 + 0.8 * torch.rand(pi.shape, generator=torch.Generator().manual_seed(4))
+        for seg, part in zip(segments, torch.split(pi * scale, LENGTHS)):
+            seg.mu = part.clone()
+    ref_total, ref_grads = per_segment_reference(ref, segments, is_clip, 0.2 if passes > 1 else None)
+    if passes > 1:  # the clip matters: the plain gradient is another one
+        plain = A3Clstm(1, A, H)
+        plain.load_state_dict(ref.state_dict())
+        _, plain_grads = per_segment_reference(plain, segments, None)
+        assert max(((p - g).abs().max() / g.abs().max()).item() for p, g in zip(plain_grads, ref_grads)) > 0.05
     fast = A3Clstm(1, A, H).channels_last()
     fast.load_state_dict(ref.state_dict())
     batch = assemble(segments, version=None)
     assert batch.lengths.tolist() == LENGTHS and batch.bootstrap[1] == 0.0 and batch.num_steps == sum(LENGTHS)
-    loss, w = batch_loss(fast, batch, Ga3cSettings(is_clip=is_clip, **KW))
+    loss, w = batch_loss(fast, batch, settings)
     loss.total.backward()
     assert loss.total.item() == pytest.approx(ref_total, rel=1e-4)
-    if is_clip is not None:
+    if passes > 1:  # the ratios pi/mu, some beyond the clip on either side
+        assert w is not None and bool((w > 1.2).any()) and bool((w < 0.8).any()) and bool(((w - 1).abs() < 0.2).any())
+    elif is_clip is not None:
         assert (w == is_clip).any() and (w < is_clip).any()  # some weights clipped, some not
     if greedy:  # pi(a) on the greedy steps, 1 (or the clipped ratio) on the others
         g_steps = batch.greedy
@@ -156,7 +202,7 @@ def test_batched_gradient_equals_sum_of_per_segment_gradients(is_clip, greedy):
         if is_clip is None:
             assert bool((w[~g_steps] == 1).all())
     else:
-        assert batch.greedy is None and (w is None) == (is_clip is None)
+        assert batch.greedy is None and (w is None) == (is_clip is None and passes == 1)
     for (name, p), g in zip(fast.named_parameters(), ref_grads):
         assert close(p.grad, g), name
 
@@ -293,21 +339,27 @@ def test_batched_unroll_equals_stepwise_forward():
                 k += 1
 
 
+def shared_and_reference(seed, lr):
+    """A shared model with the shared fused Adam (``make_optimizer``), a contiguous reference copy with torch's own
+    Adam (the same eps), and a channels-last model for the reference gradients."""
+    torch.manual_seed(seed)
+    shared = A3Clstm(1, A, H)
+    shared.share_memory()
+    ref = A3Clstm(1, A, H)
+    ref.load_state_dict(shared.state_dict())
+    opt = make_optimizer("Adam", shared.parameters(), lr)  # SharedAdam, fused
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr, eps=1e-3, foreach=False)
+    return shared, ref, A3Clstm(1, A, H).channels_last(), opt, ref_opt
+
+
 def test_trainer_update_equals_torch_adam_on_the_summed_gradient():
     """The trainer's working copy is channels-last and the shared model contiguous: the hand-off must give the
     fused Adam gradients in its parameters' layout (``shared_optim.match_grad_layout``), on every update. The
     reference sums the per-segment gradients on a channels-last copy too (channels-last and contiguous
     convolutions round differently, and a near-tie in a max-pool then picks another input), then applies torch's
     own Adam to them in the contiguous layout."""
-    torch.manual_seed(2)
-    shared = A3Clstm(1, A, H)
-    shared.share_memory()
-    ref = A3Clstm(1, A, H)
-    ref.load_state_dict(shared.state_dict())
-    ref_grad_model = A3Clstm(1, A, H).channels_last()
     lr = 1e-3
-    opt = make_optimizer("Adam", shared.parameters(), lr)  # SharedAdam, fused
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr, eps=1e-3, foreach=False)
+    shared, ref, ref_grad_model, opt, ref_opt = shared_and_reference(2, lr)
     counters = Ga3cCounters(1, 1, 1)
     trainer = Trainer(shared, opt, Ga3cSettings(**KW), counters=counters)
     assert trainer.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
@@ -326,6 +378,39 @@ def test_trainer_update_equals_torch_adam_on_the_summed_gradient():
             # the two agree to float rounding, ~1e-7
             assert torch.allclose(p, q, atol=lr * 1e-3, rtol=0), f"update {u}: {name}"
     assert counters.version == 3 and trainer.updates == 3
+
+
+def test_several_passes_step_the_reference_once_per_pass():
+    """--train-passes 3: three Adam steps on one batch, each on the per-segment clipped-surrogate gradient at the
+    weights the previous step left (mu: the acting policy's probabilities, recorded once); the version moves by 3,
+    the batch's transitions and segments are counted once, and the result is the last pass's."""
+    lr = 1e-2  # large, so that the later passes' ratios leave 1 +- eps
+    shared, ref, ref_grad_model, opt, ref_opt = shared_and_reference(3, lr)
+    counters = Ga3cCounters(1, 1, 1)
+    settings = Ga3cSettings(train_passes=3, pass_clip=0.2, **KW)
+    trainer = Trainer(shared, opt, settings, counters=counters)
+    segments = random_segments(LENGTHS, ENDS, seed=20)
+    with torch.no_grad():  # mu: the policy of the weights that acted (these)
+        batch = assemble(segments, version=None)
+        _, logits = batched_unroll(ref, batch)
+        pi = torch.softmax(logits, 1).gather(1, batch.actions.view(-1, 1)).squeeze(1)
+    for seg, part in zip(segments, torch.split(pi, LENGTHS)):
+        seg.mu, seg.versions = part.clone(), torch.zeros(len(seg), dtype=torch.int64)
+    for _ in range(3):
+        ref_grad_model.load_state_dict(ref.state_dict())
+        _, grads = per_segment_reference(ref_grad_model, segments, None, pass_clip=0.2)
+        for q, g in zip(ref.parameters(), grads):
+            q.grad = g.contiguous()
+        ref_opt.step()
+    result = trainer.update(segments)
+    for (name, p), q in zip(shared.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=lr * 1e-3, rtol=0), name
+    assert counters.version == 3 and trainer.updates == 3
+    assert result.lag_max == 2 and result.weight_mean is not None  # the last pass: two updates after acting
+    assert (result.weight_mean - 1) != pytest.approx(0, abs=1e-3)  # the weights moved away from mu
+    row = dict(zip(("steps", "segments"), counters.trainer_stats[0, :2].tolist()))
+    assert row == {"steps": sum(LENGTHS), "segments": len(LENGTHS)}
+    assert int(counters.lag_hist.sum()) == 3 * sum(LENGTHS)  # every pass's lag, per transition
 
 
 def test_policy_lag_is_measured_per_batch():
