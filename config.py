@@ -580,7 +580,7 @@ def train_passes_problems(args: argparse.Namespace) -> list[str]:
     errors = []
     if args.train_passes < 1:
         errors.append(f"--train-passes must be >= 1 (1 = one optimizer step per batch), got {args.train_passes}")
-    if not 0 < args.pass_clip < 1:
+    if math.isfinite(args.pass_clip) and not 0 < args.pass_clip < 1:  # not finite: validate's own line
         errors.append(f"--pass-clip must be between 0 and 1 (exclusive), got {args.pass_clip:g}")
     if args.train_passes > 1:
         both = [flag for flag, on in (("--is-clip", args.is_clip > 0),

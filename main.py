@@ -298,6 +298,20 @@ def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
     return f"the checkpoint was trained with --train-batch {was}; this run goes on with --train-batch {args.train_batch}"
 
 
+def train_passes_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed GA3C checkpoint was trained with other ``--train-passes`` (or, with several,
+    another ``--pass-clip``) than this GA3C run; "" otherwise (checkpoints from before the flag: one pass)."""
+    if args.mode != "ga3c" or saved_config.get("mode") != "ga3c":
+        return ""
+
+    def passes(cfg):
+        k = cfg.get("train_passes", 1)
+        return f"--train-passes {k}" + (f" --pass-clip {cfg.get('pass_clip', 0.2):g}" if k > 1 else "")
+
+    was, now = passes(saved_config), passes(vars(args))
+    return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"
+
+
 def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | None, resume_path: Path | None,
                   log) -> A3Clstm | None:
     """The moving average of the weights (``--ema-steps``; None without it), in shared memory: a resumed
@@ -512,6 +526,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
         for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
+                     train_passes_change_line(saved_config, args),
                      train_envs_change_line(saved_config, args), see_skipped_change_line(saved_config, args),
                      target_met_line(resume_ckpt, args)):
             if line:

@@ -21,8 +21,9 @@ policy-gradient terms are weighted by ``w = min(pi(a)/mu(a), max(is_clip, 1))`` 
 Several passes over one batch (``--train-passes K``, K > 1): every pass's policy term is PPO's clipped surrogate
 (Schulman et al. 2017) with the recorded ``mu`` as the old policy, ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps)
 A_i)``, ``r_i = pi(a_i)/mu(a_i)`` with gradient (``pass_clip`` = eps): a step whose ratio has already moved past
-``1 +- eps`` in the direction its advantage pushes gives no gradient, so the passes after the first cannot push one
-action's probability far from the one that acted. Where ``r = 1`` its gradient is the plain term's.
+``1 +- eps`` in the direction its advantage pushes gives no gradient of its own, so the later passes do not push
+that step's probability further (the other steps' gradients, through the shared weights, and the optimizer's
+momentum still move it). Where ``r = 1`` its gradient is the plain term's. ``mu`` is floored at ``MU_FLOOR``.
 Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ from __future__ import annotations
 import torch
 
 from losses import A3CLoss, a3c_loss, discounted_returns, entropy, gae_advantages, policy_loss, value_loss
+
+
+MU_FLOOR = 1e-8  # the least behaviour probability the clipped surrogate divides by
 
 
 def flat_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +94,9 @@ def clipped_surrogate_loss(log_probs_taken: torch.Tensor, mu: torch.Tensor, adva
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped policy loss ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps) A_i)`` with
     ``r_i = exp(log pi(a_i) - log mu(a_i))`` (gradient through ``log_probs_taken`` only; advantages and ``mu`` are
-    constants), and the ratios ``r`` detached. ``(S,) -> ((), (S,))``."""
-    ratio = torch.exp(log_probs_taken - torch.log(mu.to(log_probs_taken.dtype)))
+    constants), and the ratios ``r`` detached. ``(S,) -> ((), (S,))``. ``mu`` is floored at ``MU_FLOOR``: a
+    behaviour probability that underflowed to 0 gives a large finite ratio, not inf and a NaN gradient."""
+    ratio = torch.exp(log_probs_taken - torch.log(mu.to(log_probs_taken.dtype).clamp(min=MU_FLOOR)))
     adv = advantages.detach()
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps, 1.0 + eps) * adv)
     return -surrogate.sum(), ratio.detach()

@@ -1,4 +1,5 @@
-"""The trainer: batches of segments from many env slots, one batched forward/backward, one optimizer step.
+"""The trainer: batches of segments from many env slots, one batched forward/backward, one optimizer step
+(``--train-passes K``: K of each per batch).
 
 ``assemble`` concatenates B segments (lengths ``L_b <= num_steps``, shorter where an episode ended inside one)
 into flat segment-major tensors: no frame is padded, so the conv stack runs once, batched over exactly the
@@ -178,7 +179,7 @@ class UpdateResult:
     segments: int
     lag_mean: float
     lag_max: int
-    weight_mean: float | None  # mean importance weight (None without is_clip and greedy slots' steps)
+    weight_mean: float | None  # mean importance weight, or ratio pi/mu with train_passes > 1 (None without any)
 
 
 class Trainer:
@@ -227,13 +228,15 @@ class Trainer:
         and stepped under ``step_lock``, where the version then moves (and the moving average, with
         ``average_model``, takes the new weights in). With several passes every pass's policy term is the clipped
         surrogate (``batch_losses``); the batch's transitions and segments are counted once, on the first pass,
-        and every pass's policy lag goes into the counters' histogram."""
+        the moving average takes the weights in once, after the last pass, and every pass's policy lag goes into
+        the counters' histogram."""
         result = None
-        for p in range(self.settings.train_passes):
-            result = self._step(segments, first=p == 0)
+        passes = self.settings.train_passes
+        for p in range(passes):
+            result = self._step(segments, first=p == 0, last=p == passes - 1)
         return result
 
-    def _step(self, segments: list[Segment], *, first: bool) -> UpdateResult:
+    def _step(self, segments: list[Segment], *, first: bool, last: bool) -> UpdateResult:
         with self.step_lock:  # no other trainer's step between reading the version and copying its weights
             version = self.version()
             sync_weights(self.model, self.shared)
@@ -260,7 +263,7 @@ class Trainer:
                 lr = linear_anneal(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)
                 set_lr(self.optimizer, lr)
             self.optimizer.step()
-            if self.average is not None:
+            if self.average is not None and last:  # once per batch: its agent steps are counted once
                 update_average(self.average, self.shared, n, self.settings.ema_steps)
             self.updates += 1
             if self.counters is not None:  # the version moves with the weights (see the module docstring)

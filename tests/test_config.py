@@ -253,6 +253,7 @@ def test_greedy_slots_are_checked(argv, want):
     (["--train-passes", "0"], ["--train-passes must be >= 1 (1 = one optimizer step per batch), got 0"]),
     (["--pass-clip", "1"], ["--pass-clip must be between 0 and 1 (exclusive), got 1"]),
     (["--pass-clip", "0"], ["--pass-clip must be between 0 and 1 (exclusive), got 0"]),
+    (["--pass-clip", "nan"], ["--pass-clip must be a finite number, got nan"]),
     (["--train-passes", "1", "--is-clip", "2", "--greedy-slots", "1"], []),
     (["--train-passes", "2", "--is-clip", "2"],
      ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip; leave it out, or "

@@ -115,6 +115,11 @@ def test_clipped_surrogate_hand_computed():
     assert torch.allclose(ratio, t(2, 0.5, 1, 1, 0.5, 2)) and not ratio.requires_grad
     loss.backward()
     assert torch.allclose(log_pi.grad, t(0, -0.5, 2, -3, 0, 2), atol=1e-6)
+    # a behaviour probability that underflowed to 0: a finite ratio (pi / MU_FLOOR) and gradient, not inf and NaN
+    log_pi = torch.log(t(0.5, 0.5)).requires_grad_()
+    loss, ratio = clipped_surrogate_loss(log_pi, t(0.0, 0.5), t(-1, 1), 0.2)
+    loss.backward()
+    assert torch.isfinite(loss) and bool(torch.isfinite(log_pi.grad).all()) and ratio[0].item() == pytest.approx(5e7)
     # mu = pi: every ratio 1, so the policy term is -sum A (not -sum log pi A) but its gradient is the plain term's
     # (the first pass of a batch with no policy lag); the value and entropy terms are the plain ones
     logits, values = torch.randn(4, A, generator=torch.Generator().manual_seed(5)), t(0.1, -0.2, 0.3, 0.0)

@@ -674,6 +674,26 @@ def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv
     assert train_batch_change_line(saved, args) == line
 
 
+@pytest.mark.parametrize("saved, argv, line", [
+    ({"mode": "ga3c"}, ["--train-passes", "2"],  # saved before the flag existed: one pass
+     "the checkpoint was trained with --train-passes 1; this run goes on with --train-passes 2 --pass-clip 0.2"),
+    ({"mode": "ga3c", "train_passes": 3, "pass_clip": 0.2}, ["--train-passes", "3", "--pass-clip", "0.1"],
+     "the checkpoint was trained with --train-passes 3 --pass-clip 0.2; this run goes on with --train-passes 3 "
+     "--pass-clip 0.1"),
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, [],
+     "the checkpoint was trained with --train-passes 2 --pass-clip 0.2; this run goes on with --train-passes 1"),
+    ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, ["--pass-clip", "0.1"], ""),  # unused with one pass
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, ["--train-passes", "2"], ""),
+    ({"mode": "a3g"}, ["--train-passes", "2"], ""),  # the mode line says it
+])
+def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv, line):
+    from config import build_parser, validate
+    from main import train_passes_change_line
+    args = build_parser().parse_args(argv)
+    validate(args)
+    assert train_passes_change_line(saved, args) == line
+
+
 @pytest.mark.parametrize("ckpt,argv,why", [
     ({"optimizer": {"state": {}}, "optimizer_name": "Adam"}, ["--workers", "2", "--no-shared-optimizer"],
      "--no-shared-optimizer gives each worker a fresh optimizer of its own; the checkpoint's shared statistics "
