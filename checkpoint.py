@@ -248,8 +248,8 @@ def card_of_this_file(model: str | Path, sha256: str | None) -> dict | None:
     return card
 
 
-def is_checkpoint(obj: dict) -> bool:
-    return obj.get("format") == CHECKPOINT_FORMAT
+def is_checkpoint(obj) -> bool:
+    return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT
 
 
 def state_dict_of(obj: dict, path: str | Path) -> dict:
@@ -269,7 +269,11 @@ def played_state_dict(obj: dict, path: str | Path) -> dict:
     """The weights a file's run played and shipped: a ``.ckpt``'s ``average_model`` where it has one (a run with
     ``--ema-steps``, whose ``.dat`` holds the same average), else its ``model``; a ``.dat`` itself."""
     if is_checkpoint(obj) and obj.get("average_model") is not None:
-        return state_dict_of(obj["average_model"], path)
+        average = obj["average_model"]
+        if is_checkpoint(average) or not isinstance(average, dict) or not all(
+                isinstance(k, str) and torch.is_tensor(v) for k, v in average.items()):
+            raise ModelFileError(f"checkpoint {path} is damaged: its 'average_model' is not a state_dict of tensors")
+        return average
     return state_dict_of(obj, path)
 
 

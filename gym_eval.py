@@ -195,6 +195,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not validate_dir(args.log_dir, "--log-dir") and mon_log_path(args).is_dir():
         errors.append(f"'{mon_log_path(args)}' is a folder, where the games would be logged: move it away, or pass "
                       "--log-dir DIR")
+    if not errors and args.num_episodes >= 1 and args.render_freq >= 1:
+        errors += output_problems(args)
     if args.random_actions and args.model_file is not None:
         errors.append("--random-actions plays without a model: drop --model-file (or drop --random-actions to "
                       "evaluate the model)")
@@ -321,6 +323,44 @@ def mon_log_path(args: argparse.Namespace) -> Path:
     return Path(args.log_dir) / f"{file_stem(args)}_mon_log"
 
 
+def video_path(args: argparse.Namespace, game: int) -> Path:
+    """Game ``game``'s video with ``--record``: ``<record>/<stem>_gameNNN.mp4``."""
+    return Path(args.record) / f"{file_stem(args)}_game{game:03d}.mp4"
+
+
+def trace_path(args: argparse.Namespace, game: int) -> Path:
+    """Game ``game``'s trace with ``--trace``: ``<trace>/<env>_gameNNN.csv``."""
+    return Path(args.trace) / f"{safe_name(args.env)}_game{game:03d}.csv"
+
+
+def output_problems(args: argparse.Namespace) -> list[str]:
+    """The per-game outputs a folder stands where a file would go (the videos of the games ``--record`` writes,
+    every game's ``--trace`` CSV), and a ``--json`` that names the model file, its card or the game log, which
+    it would replace: one line each (checked before the first game)."""
+    errors = []
+    for flag, paths in (("--record", [video_path(args, i) for i in range(0, args.num_episodes, args.render_freq)]
+                         if args.record else []),
+                        ("--trace", [trace_path(args, i) for i in range(args.num_episodes)] if args.trace else [])):
+        folders = [p for p in paths if p.is_dir()]
+        if folders:
+            more = f" (and {len(folders) - 1} more)" if len(folders) > 1 else ""
+            errors.append(f"'{folders[0]}'{more} is a folder, where {flag} would write a game's file: move it away, "
+                          f"or pass another {flag} DIR")
+    if args.json is not None:
+        kept = [mon_log_path(args)]
+        if not args.random_actions:
+            try:
+                model = resolve_model_file(args)
+                kept += [model, model.with_suffix(".json")]
+            except ModelFileError:
+                pass  # reported where the model is loaded
+        target = os.path.realpath(args.json)
+        hit = next((k for k in kept if os.path.realpath(k) == target), None)
+        if hit is not None:
+            errors.append(f"--json {args.json} is {hit}, which the summary would replace: pass another --json PATH")
+    return errors
+
+
 def write_json_atomically(path: Path, text: str) -> None:
     """``text`` in ``path``, written whole to a temporary file beside it, flushed to disk, then renamed into place:
     an existing file is replaced only by a complete one (a symbolic link's target, which stays linked). The
@@ -364,7 +404,7 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
         recorder = None
         if render and args.record:
             fps = real_time_fps(args)
-            recorder = VideoWriter(Path(args.record) / f"{file_stem(args)}_game{i:03d}.mp4", fps)
+            recorder = VideoWriter(video_path(args, i), fps)
         try:
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
             points: list = []
@@ -372,7 +412,7 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
             score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook,
                                          points=points, trace=trace)
             if trace is not None:
-                write_trace(Path(args.trace) / f"{safe_name(args.env)}_game{i:03d}.csv", trace,
+                write_trace(trace_path(args, i), trace,
                             env.unwrapped.get_action_meanings())
             if recorder is not None:
                 recorder.close(finished=True)
@@ -701,7 +741,7 @@ def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha25
            "precision": None if args.random_actions else args.compute_precision, "card": claim,
            "wall_seconds": wall}
     if args.record:
-        out["videos"] = {str(Path(args.record) / f"{file_stem(args)}_game{i:03d}.mp4"): frames[i]
+        out["videos"] = {str(video_path(args, i)): frames[i]
                          for i in order if frames[i]}
     out_path = json_path(args)
     try:

@@ -28,6 +28,7 @@ table alone.
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import sys
@@ -38,13 +39,29 @@ from cli import validate_dir, validate_file
 PROG = "plot.py"
 
 
+def save_figure(fig, out: Path) -> str | None:
+    """``fig`` written whole to ``.<stem>.tmp<pid><suffix>`` beside ``out``, then renamed over it, so that a failed
+    write (a full disk) leaves an earlier figure as it was; returns the problem in one line, None when written."""
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"could not write {out}: the disk is full; free space or pass --out in another folder"
+        return f"could not write {out}: {e.strerror or e}"
+    return None
+
+
 def find_csvs(items: list[str]) -> tuple[list[tuple[Path, ...]], list[str]]:
     """One tuple per run: a file, each ``*_monitor.csv`` under a folder, or the pieces of ``a+b+...``, in order."""
     paths, errors = [], []
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found = sorted(p.rglob("*_monitor.csv"))
+            found = sorted(f for f in p.rglob("*_monitor.csv") if f.is_file())
             if not found:
                 errors.append(f"no *_monitor.csv in folder '{item}' or below it")
             paths += [(f,) for f in found]
@@ -487,8 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: the title or a label is not text that matplotlib can draw "
               f"({str(e).strip().splitlines()[0][:100]}); write a literal $ as \\$", file=sys.stderr)
         return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
+    problem = save_figure(fig, Path(args.out))
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} ({len(curves)} run{'s' if len(curves) != 1 else ''})")
     return 0
 

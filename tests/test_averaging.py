@@ -82,5 +82,9 @@ def test_a_checkpoint_plays_its_average_and_a_broken_one_is_refused(tmp_path):
     check_checkpoint(ckpt, tmp_path / "x.ckpt")
     with pytest.raises(ModelFileError, match="'average_model' is not a state_dict of tensors"):
         check_checkpoint({**ckpt, "average_model": [1, 2]}, tmp_path / "x.ckpt")
+    # gym_eval.py plays a .ckpt through played_state_dict without check_checkpoint: the same one line, no traceback
+    for broken in ([1, 2], {"format": CHECKPOINT_FORMAT, "model": model.state_dict()}, {"w": 1}):
+        with pytest.raises(ModelFileError, match="'average_model' is not a state_dict of tensors"):
+            played_state_dict({**ckpt, "average_model": broken}, tmp_path / "x.ckpt")
     with pytest.raises(ModelFileError, match="'config.ema_steps' is not a step count"):
         check_checkpoint({**ckpt, "config": {"ema_steps": -5}}, tmp_path / "x.ckpt")

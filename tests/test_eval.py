@@ -386,6 +386,36 @@ def test_a_folder_in_place_of_a_default_output_is_refused_before_any_game(tmp_pa
     assert [p.name for p in logs.iterdir()] == [name]  # no game played, nothing logged
 
 
+def test_outputs_that_would_replace_inputs_or_land_on_folders_are_refused_before_any_game(tmp_path, model_dir):
+    """--json naming the model, its card or the game log would replace it; a folder where --trace or --record
+    writes a game's file would fail after the games: each refused in one line, nothing touched."""
+    model = model_dir / "PongNoFrameskip-v4.dat"
+    card = model.with_suffix(".json")
+    card.write_text("{}")
+    before = model.read_bytes()
+    logs = tmp_path / "game-logs"  # not bad_eval's "logs", which it checks is never made
+    logs.mkdir()
+    (logs / "PongNoFrameskip-v4_mon_log").write_text("earlier games\n")
+    common = [*SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(logs), "--num-episodes", "3"]
+    for target in (model, card, logs / "PongNoFrameskip-v4_mon_log"):
+        assert bad_eval(tmp_path, *common, "--json", str(target)) == (
+            f"gym_eval.py: error: --json {target} is {target}, which the summary would replace: pass another --json "
+            "PATH")
+    assert model.read_bytes() == before and card.read_text() == "{}"
+    assert (logs / "PongNoFrameskip-v4_mon_log").read_text() == "earlier games\n"
+    (tmp_path / "traces" / "PongNoFrameskip-v4_game001.csv").mkdir(parents=True)
+    (tmp_path / "traces" / "PongNoFrameskip-v4_game002.csv").mkdir()
+    assert bad_eval(tmp_path, *common, "--trace", str(tmp_path / "traces")) == (
+        f"gym_eval.py: error: '{tmp_path}/traces/PongNoFrameskip-v4_game001.csv' (and 1 more) is a folder, where "
+        f"--trace would write a game's file: move it away, or pass another --trace DIR")
+    (tmp_path / "videos" / "PongNoFrameskip-v4_game001.mp4").mkdir(parents=True)  # not recorded: --render-freq 2
+    (tmp_path / "videos" / "PongNoFrameskip-v4_game002.mp4").mkdir()
+    assert bad_eval(tmp_path, *common, "--record", str(tmp_path / "videos"), "--render-freq", "2") == (
+        f"gym_eval.py: error: '{tmp_path}/videos/PongNoFrameskip-v4_game002.mp4' is a folder, where --record would "
+        f"write a game's file: move it away, or pass another --record DIR")
+    assert sorted(p.name for p in logs.iterdir()) == ["PongNoFrameskip-v4_mon_log"]
+
+
 def test_a_malformed_card_costs_nothing_but_the_comparison(tmp_path, model_dir):
     """A hand-edited card whose evaluations are not a list: the games are summarised and written, and the card
     line says it is malformed."""
@@ -590,6 +620,32 @@ def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch,
 def test_plot_bad_input(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
+
+
+def test_a_failed_figure_write_leaves_the_old_figure_and_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """The figure is written to a temporary file and renamed into place: a full disk leaves the earlier figure
+    as it was, no temporary file, and one line (exit 1). A folder named like a monitor CSV inside an input folder
+    is not taken for one."""
+    import plot
+    csv = tmp_path / "runs" / "a_monitor.csv"
+    csv.parent.mkdir()
+    csv.write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n1e9,20.0,2000,-20,100,1.0,0,\n")
+    (tmp_path / "runs" / "b_monitor.csv").mkdir()
+    out = tmp_path / "figs" / "a.png"
+    assert plot.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    before = out.read_bytes()
+    import matplotlib.figure
+
+    def disk_full(self, fname, **kw):
+        Path(fname).write_bytes(b"half a png")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    assert plot.main([str(csv), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"plot.py: error: could not write {out}: the disk is full; free space or pass --out in another folder\n"
+    assert out.read_bytes() == before and sorted(p.name for p in out.parent.iterdir()) == ["a.png"]
 
 
 HEADER = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean"
