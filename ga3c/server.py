@@ -198,7 +198,7 @@ class Server:
         starts nothing."""
         if self.halt.is_set():
             return
-        while len(self._trainer_threads) > trainers:  # retire the newest; its partial batch is dropped
+        while len(self._trainer_threads) > trainers:  # retire the newest; its partial batch goes back on the queue
             retire, th = self._trainer_threads.pop()
             retire.set()
             th.join(timeout)
@@ -237,9 +237,15 @@ class Server:
             th.join(max(0.0, deadline - time.monotonic()))
         return not any(th.is_alive() for th in self.threads)
 
-    def close(self, timeout: float = 10.0) -> bool:
+    def close(self, timeout: float = 10.0, step_timeout: float = 60.0) -> bool:
+        """Halt every thread and wait up to ``timeout`` seconds for them. Where one still runs, it may be inside an
+        optimizer step (the shared weights and statistics half written): take ``step_lock``, waiting up to
+        ``step_timeout`` seconds, and keep it, so that the process then exits between steps, never inside one.
+        True when every thread ended or the lock is held."""
         self.halt.set()
-        return self.join(timeout)
+        if self.join(timeout):
+            return True
+        return self.step_lock.acquire(timeout=step_timeout)
 
 
 def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters, stop,
@@ -286,7 +292,10 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
                 if nt > 0 and np_ > 0 and (nt, np_) != server.counts:
                     server.set_counts(nt, np_)
             time.sleep(0.05)
-        server.close(5.0)
+        # within main.py's 8 s (a3g.run.JOIN_SECONDS) before it terminates this process
+        if not server.close(5.0, step_timeout=2.0):
+            raise RuntimeError("a trainer was still inside an optimizer step 7 s after the stop: the final checkpoint "
+                               "may hold that step half applied")
         if server.failures:
             role, text = server.failures[0]
             raise RuntimeError(f"the {role} thread failed:\n{text}")

@@ -221,7 +221,7 @@ class Trainer:
         the ``--lr-anneal-steps`` and ``--entropy-anneal-steps`` schedules stand."""
         return int(self.counters.agent_steps.sum()) if self.counters is not None else 0
 
-    def update(self, segments: list[Segment]) -> UpdateResult:
+    def update(self, segments: list[Segment], stop=None) -> UpdateResult:
         """``settings.train_passes`` optimizer steps on the shared model from ``segments`` (one by default); returns
         the last pass's result. Each pass: the gradient at the shared weights copied at its start (saved
         activations replayed only for the frames those weights acted on, see the module docstring), handed over
@@ -229,10 +229,13 @@ class Trainer:
         ``average_model``, takes the new weights in). With several passes every pass's policy term is the clipped
         surrogate (``batch_losses``); the batch's transitions and segments are counted once, on the first pass,
         the moving average takes the weights in once, after the last pass, and every pass's policy lag goes into
-        the counters' histogram."""
+        the counters' histogram. ``stop`` (with ``is_set()``): checked between passes, so that a stopped or
+        retired trainer ends after the step it is in, not K steps later (the passes made stay applied)."""
         result = None
         passes = self.settings.train_passes
         for p in range(passes):
+            if p > 0 and stop is not None and stop.is_set():
+                break
             result = self._step(segments, first=p == 0, last=p == passes - 1)
         return result
 
@@ -276,8 +279,9 @@ class Trainer:
     def run(self, source: "queue.Queue[Segment]", stop, max_updates: int | None = None,
             poll: float = 0.05) -> int:
         """Take segments from ``source`` and update every ``train_batch`` of them, until ``stop.is_set()`` (or
-        ``max_updates`` batches); a partial batch at the stop is dropped. Returns the number of batches trained
-        (each ``settings.train_passes`` optimizer steps)."""
+        ``max_updates`` batches); a partial batch at the stop goes back on ``source`` for another trainer (a
+        retired one's, under ``--dynamic``), as far as it has room. Returns the number of batches trained (each
+        ``settings.train_passes`` optimizer steps)."""
         pending: list[Segment] = []
         done = 0
         while not stop.is_set() and (max_updates is None or done < max_updates):
@@ -286,7 +290,12 @@ class Trainer:
             except queue.Empty:
                 continue
             if len(pending) >= self.settings.train_batch:
-                self.update(pending)
+                self.update(pending, stop)
                 pending = []
                 done += 1
+        for seg in pending:
+            try:
+                source.put_nowait(seg)
+            except queue.Full:
+                break
         return done

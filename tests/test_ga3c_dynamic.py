@@ -378,3 +378,82 @@ def test_dynamic_never_blocks_the_main_loop_on_a_retired_agent_that_has_not_exit
         assert len(started) == 3 and sorted(run.agents) == [0] and int(run.counters.active[2]) == 1
     finally:
         run.release()
+
+
+def test_close_returns_only_between_optimizer_steps():
+    """A trainer thread still running when the server closes may be inside an optimizer step: ``close`` then takes
+    the step lock (waiting for the step to end) and keeps it, so the process exits between steps; a step that does
+    not end in time is a False return."""
+    model = A3Clstm(1, 6, 32)
+    buffers, counters, stop, release = EnvSlots(2), Ga3cCounters(1, 1, 1), Flag(), threading.Event()
+    server = Server(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers, counters, Ga3cSettings(), stop,
+                    num_predictors=0, num_trainers=1)
+    in_step, stepped = threading.Event(), []
+
+    def stuck_in_a_step(source, flag):
+        with server.step_lock:
+            in_step.set()
+            release.wait(30)
+            stepped.append(True)  # the step's last write
+
+    server.trainers[0].run = stuck_in_a_step
+    server.start()
+    assert in_step.wait(10)
+    assert server.close(0.1, step_timeout=0.2) is False  # the step is still going on
+    threading.Timer(0.3, release.set).start()
+    assert server.close(0.1, step_timeout=10) is True and stepped == [True]  # returned after the step ended
+    assert server.step_lock.locked()  # and keeps the lock: no other step can begin before the process exits
+    assert server.join(10)
+
+
+def test_a_stopped_trainer_ends_between_its_passes():
+    """--train-passes 3 with the stop flag set after the first pass: the trainer makes that pass, not the other two."""
+    from ga3c.segment import Segment
+    from ga3c.trainer import Trainer
+    model = A3Clstm(1, 6, 32)
+    counters, stop = Ga3cCounters(1, 1, 1), Flag()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                      Ga3cSettings(train_passes=3), counters=counters)
+    n = 4
+    seg = Segment(slot=0, frames=torch.zeros(n, 1, 80, 80), actions=torch.zeros(n, dtype=torch.int64),
+                  rewards=torch.zeros(n), mu=torch.full((n,), 1 / 6), versions=torch.zeros(n, dtype=torch.int64),
+                  state=(torch.zeros(1, 32), torch.zeros(1, 32)), terminated=False, truncated=False, bootstrap=0.0)
+    step = trainer._step
+
+    def step_then_stop(*a, **kw):
+        result = step(*a, **kw)
+        stop.set()
+        return result
+
+    trainer._step = step_then_stop
+    trainer.update([seg], stop)
+    assert trainer.updates == 1 and counters.version == 1
+    stop.clear()
+    trainer._step = step
+    trainer.update([seg], stop)
+    assert trainer.updates == 4 and counters.version == 4  # without the flag, all three
+
+
+def test_a_retired_trainers_partial_batch_goes_back_on_the_queue():
+    """A trainer stopped (retired by --dynamic) with 2 of its 3 segments taken puts them back for the next trainer
+    rather than losing steps the agents counted."""
+    from ga3c.segment import Segment
+    from ga3c.trainer import Trainer
+    model = A3Clstm(1, 6, 32)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), Ga3cSettings(train_batch=3))
+    source, retire = queue.Queue(maxsize=8), Flag()
+    segs = [Segment(slot=s, frames=torch.zeros(2, 1, 80, 80), actions=torch.zeros(2, dtype=torch.int64),
+                    rewards=torch.zeros(2), mu=torch.full((2,), 1 / 6), versions=torch.zeros(2, dtype=torch.int64),
+                    state=(torch.zeros(1, 32), torch.zeros(1, 32)), terminated=False, truncated=False, bootstrap=0.0)
+            for s in range(2)]
+    for seg in segs:
+        source.put(seg)
+    th = threading.Thread(target=lambda: trainer.run(source, retire, poll=0.01))
+    th.start()
+    deadline = time.monotonic() + 10
+    while not source.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    retire.set()
+    th.join(10)
+    assert not th.is_alive() and trainer.updates == 0
+    assert [source.get_nowait().slot for _ in range(source.qsize())] == [0, 1]
