@@ -9,7 +9,9 @@ updates per second; here an update's size depends on the segments' lengths, so t
 transitions per second* (the agent steps that reached an optimizer step), exact from the trainers' counters.
 
 ``DynamicAdjuster.observe(now, trained)`` is called often (by the main process, with the trainers' transition
-count); it returns the counts to run from now on when they change, else None. Every decision is also in
+count); it returns the counts to run from now on when they change, else None. Until a setting is all running
+(processes started and ready, the server's counts at their targets, a first update made) the main process calls
+``hold`` instead, which starts the window again: start-up is not measured as a setting's throughput. Every decision is also in
 ``events`` as one line for the log.
 """
 from __future__ import annotations
@@ -56,6 +58,11 @@ class DynamicAdjuster:
         self._rng = random.Random(self.seed)
         self._t0: float | None = None
         self._n0 = 0
+
+    def hold(self, now: float, trained: int) -> None:
+        """The current setting is not all running yet (processes starting, a change not yet in effect): its window
+        starts again from here, so that the start-up is not measured as its throughput."""
+        self._t0, self._n0 = now, trained
 
     def observe(self, now: float, trained: int) -> Counts | None:
         """Feed the clock and the trained-transition count; returns new counts to apply, or None."""

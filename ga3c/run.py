@@ -174,12 +174,26 @@ class Ga3cRun(Mode):
                 self.results.write(episode)
         if self.adjuster is not None and self._ctx is not None and not self.run.stop.is_set():
             self._start_pending_agents()
-            counts = self.adjuster.observe(now, self.trained_steps())
+            trained = self.trained_steps()
+            counts = None
+            if self._settled():
+                counts = self.adjuster.observe(now, trained)
+            else:  # a window opens only once the setting is all running
+                self.adjuster.hold(now, trained)
             for event in self.adjuster.events:
                 self.log.info(f"[dynamic] {event}")
             self.adjuster.events.clear()
             if counts is not None:
                 self.apply_counts(counts)
+
+    def _settled(self) -> bool:
+        """Whether the setting ``--dynamic`` last asked for is all running: a first update made, the server's
+        trainer and predictor counts at their targets, no agent waiting to start, and every agent ready (its
+        environments built)."""
+        c = self.counters
+        return (c.version > 0 and not self._pending_agents
+                and int(c.active[0]) == int(c.targets[0]) and int(c.active[1]) == int(c.targets[1])
+                and all(bool(self.run.ready[a]) for a in self.agents))
 
     def apply_counts(self, counts) -> None:
         """Set the server's targets and the number of agents to ``counts``. An agent is started on an index whose

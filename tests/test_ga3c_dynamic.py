@@ -457,3 +457,46 @@ def test_a_retired_trainers_partial_batch_goes_back_on_the_queue():
     th.join(10)
     assert not th.is_alive() and trainer.updates == 0
     assert [source.get_nowait().slot for _ in range(source.qsize())] == [0, 1]
+
+
+def test_a_held_window_measures_nothing_of_the_start_up():
+    """``hold`` while the setting starts (nothing trained yet): the window opens at the last hold, so the first
+    rate is 1,000 transitions over the 10 s after it, not over the 15 s since the first observation."""
+    adj = DynamicAdjuster((2, 1, 2), (1, 1, 1), (4, 2, 4), window=10.0, seed=0)
+    assert adj.observe(0.0, 0) is None
+    adj.hold(5.0, 0)
+    assert adj.observe(14.0, 900) is None and adj.best_rate is None  # 9 s since the hold
+    adj.observe(15.0, 1000)
+    assert adj.best_rate == pytest.approx(100.0)
+
+
+def test_dynamic_measures_a_setting_only_once_it_is_all_running(tmp_path):
+    """The main process holds the adjuster's window until a first update is in, the server's counts are at their
+    targets and every agent is ready."""
+    from config import build_parser
+    from ga3c.run import Ga3cRun
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "2", "--envs-per-agent", "2", "--dynamic",
+                                      "--dynamic-max", "4", "2", "4",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=None)
+    try:
+        c = run.counters
+        run.agents = {0: None, 1: None}
+        c.targets[0], c.targets[1] = args.trainers, args.predictors  # as launch() sets them
+        c.active[0], c.active[1] = args.trainers, args.predictors
+        run.run.ready[0] = run.run.ready[1] = 1
+        assert not run._settled()  # no update yet
+        c.updates[0] = 1
+        assert run._settled()
+        run.run.ready[1] = 0
+        assert not run._settled()  # agent 1 still building its environments
+        run.run.ready[1] = 1
+        c.targets[0] = args.trainers + 1
+        assert not run._settled()  # the server has not started the new trainer yet
+        c.active[0] = args.trainers + 1
+        assert run._settled()
+        run._pending_agents.append(1)
+        assert not run._settled()
+    finally:
+        run.release()
