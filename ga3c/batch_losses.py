@@ -165,17 +165,15 @@ def batched_a3c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.
         if is_clip is not None or greedy is not None:
             raise ValueError("pass_clip is not combined with is_clip or greedy slots")
         p_loss, w = clipped_surrogate_loss(taken, mu.to(values.device), adv, pass_clip)
-        ent = entropy(logits).sum()
-        v_loss = value_loss(values, returns)
-        return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent), w
-    if is_clip is not None or greedy is not None:
+    elif is_clip is not None or greedy is not None:
         mu = mu.to(values.device)
         w = (importance_weights(taken, mu, is_clip) if is_clip is not None
              else torch.ones_like(taken).detach())
         if greedy is not None:
             w = torch.where(greedy.to(values.device), importance_weights(taken, mu, greedy_clip(is_clip)), w)
         adv = adv * w
+    if pass_clip is None:
+        p_loss = policy_loss(taken, adv)
     ent = entropy(logits).sum()
-    p_loss = policy_loss(taken, adv)
     v_loss = value_loss(values, returns)
     return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent), w
