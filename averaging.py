@@ -6,14 +6,14 @@ between games of 20 (docs/results.md), the greedy policy of one snapshot of weig
 average of the recent weights (Polyak averaging) is a smoother policy than any one snapshot; training itself is
 unchanged, and only what is played and saved is the average.
 
-The average is a model of its own in shared memory, updated by whoever steps the optimizer, right after each
-step: a GA3C trainer under its ``step_lock`` (one update of ``n`` agent steps at a time), an A3G worker after its
-hogwild step (two workers may blend at once, as their steps already do). An update of ``n`` agent steps blends
-``avg <- avg + w (weights - avg)`` with ``w = 1 - exp(-n / N)``: after any sequence of updates totalling ``s``
-agent steps, a weight held constant is reached to within ``exp(-s / N)`` of where the average started, so N is a
-time constant in global agent steps whatever the mode's update size (an A3G worker's 20 steps, a GA3C trainer's
-80). The average is float32 and CPU, as the shared weights are; it goes into the checkpoint as
-``average_model`` and is resumed from there.
+The average is a model of its own in shared memory, updated by whoever steps the optimizer, right after each update:
+a GA3C trainer under its ``step_lock``, once per batch of ``n`` agent steps (after the last of its
+``--train-passes``), an A3G worker after its hogwild step (two workers may blend at once, as their steps already
+do). An update of ``n`` agent steps blends ``avg <- avg + w (weights - avg)`` with ``w = 1 - exp(-n / N)``: after
+any sequence of updates totalling ``s`` agent steps, a weight held constant is reached to within ``exp(-s / N)`` of
+where the average started, so N is a time constant in global agent steps whatever the mode's update size (an A3G
+worker's 20 steps, a GA3C trainer's 80). The average is float32 and CPU, as the shared weights are; it goes into the
+checkpoint as ``average_model`` and is resumed from there.
 """
 from __future__ import annotations
 

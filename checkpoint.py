@@ -335,6 +335,12 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
             bad(f"config.{key}", "is not a step count")
     if config.get("train_batch") is not None and not count(config["train_batch"]):
         bad("config.train_batch", "is not a count")
+    if "train_passes" in config and not (count(config["train_passes"]) and config["train_passes"] >= 1):
+        bad("config.train_passes", "is not a number of passes")
+    pass_clip = config.get("pass_clip", 0.2)
+    if not (isinstance(pass_clip, (int, float)) and not isinstance(pass_clip, bool) and finite(pass_clip)
+            and 0 < pass_clip < 1):
+        bad("config.pass_clip", "is not a clip range")
     for field in ("ga3c_updates", "ga3c_episodes"):
         if field in ckpt and not count(ckpt[field]):
             bad(field, "is not a count")

@@ -187,11 +187,11 @@ class Ga3cRun(Mode):
                 self.apply_counts(counts)
 
     def _settled(self) -> bool:
-        """Whether the setting ``--dynamic`` last asked for is all running: a first update made, the server's
-        trainer and predictor counts at their targets, no agent waiting to start, and every agent ready (its
-        environments built)."""
+        """Whether the setting ``--dynamic`` last asked for is all running: a first update made by this run (a
+        resumed run's version counts the checkpoint's updates too), the server's trainer and predictor counts at
+        their targets, no agent waiting to start, and every agent ready (its environments built)."""
         c = self.counters
-        return (c.version > 0 and not self._pending_agents
+        return (int(c.updates[:-1].sum()) > 0 and not self._pending_agents
                 and int(c.active[0]) == int(c.targets[0]) and int(c.active[1]) == int(c.targets[1])
                 and all(bool(self.run.ready[a]) for a in self.agents))
 

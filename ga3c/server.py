@@ -27,6 +27,7 @@ what does not fit then), and one that still has not ended after the timeout halt
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -252,7 +253,7 @@ def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: Env
                  average_model: A3Clstm | None = None) -> Server:
     """The server of a run with ``args`` (not started): on the devices of ``--gpu-ids``, with the run's shared
     ``optimizer``, or a private one built here when it is None (``--no-shared-optimizer``); its trainers update
-    ``average_model`` (``--ema-steps``) after every step."""
+    ``average_model`` (``--ema-steps``) once per batch, after its last step."""
     from shared_optim import make_optimizer
     trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
     if optimizer is None:
@@ -281,6 +282,7 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     # agents, predictors and trainers (--dynamic searches those numbers), not by wider ops. On a GPU the work is
     # the device's and these threads only launch it. (Not measured on a many-core machine.)
     setup_child_process("ga3c server")
+    server = None  # while set, an error here closes it before the exit (below)
     try:
         use_device(ga3c_devices(args.gpu_ids)[0][0])
         torch.manual_seed(args.seed)
@@ -292,15 +294,19 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
                 if nt > 0 and np_ > 0 and (nt, np_) != server.counts:
                     server.set_counts(nt, np_)
             time.sleep(0.05)
+        ending, server = server, None
         # within main.py's 8 s (a3g.run.JOIN_SECONDS) before it terminates this process
-        if not server.close(5.0, step_timeout=2.0):
+        if not ending.close(5.0, step_timeout=2.0):
             raise RuntimeError("a trainer was still inside an optimizer step 7 s after the stop: the final checkpoint "
                                "may hold that step half applied")
-        if server.failures:
-            role, text = server.failures[0]
+        if ending.failures:
+            role, text = ending.failures[0]
             raise RuntimeError(f"the {role} thread failed:\n{text}")
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(slot, "ga3c server", describe_failure(e))
+        if server is not None:  # it failed while its threads ran: exit between optimizer steps, as a stop does
+            with contextlib.suppress(BaseException):
+                server.close(5.0, step_timeout=2.0)
         end_child_process(1)
     end_child_process(0)

@@ -187,8 +187,8 @@ class Trainer:
     from batches of ``settings.train_batch`` segments (see the module docstring).
 
     ``index`` is this trainer's slot in ``counters`` (``Ga3cCounters``; its ``version`` is the model version).
-    ``average_model`` (``--ema-steps``): blended with the shared weights after every step, under ``step_lock``
-    (``averaging``).
+    ``average_model`` (``--ema-steps``): blended with the shared weights once per batch, after its last step (with
+    ``--train-passes`` K > 1, after the K-th), under ``step_lock`` (``averaging``).
     """
 
     def __init__(self, shared_model: A3Clstm, optimizer: torch.optim.Optimizer, settings: Ga3cSettings, *,
@@ -230,11 +230,16 @@ class Trainer:
         surrogate (``batch_losses``); the batch's transitions and segments are counted once, on the first pass,
         the moving average takes the weights in once, after the last pass, and every pass's policy lag goes into
         the counters' histogram. ``stop`` (with ``is_set()``): checked between passes, so that a stopped or
-        retired trainer ends after the step it is in, not K steps later (the passes made stay applied)."""
+        retired trainer ends after the step it is in, not K steps later; the passes made stay applied, and the
+        moving average then takes the weights in once at the break (under ``step_lock``, after any step another
+        trainer made in between)."""
         result = None
         passes = self.settings.train_passes
         for p in range(passes):
             if p > 0 and stop is not None and stop.is_set():
+                if self.average is not None:  # the passes made are applied: the average takes them in once
+                    with self.step_lock:
+                        update_average(self.average, self.shared, result.steps, self.settings.ema_steps)
                 break
             result = self._step(segments, first=p == 0, last=p == passes - 1)
         return result

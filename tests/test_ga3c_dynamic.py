@@ -406,6 +406,52 @@ def test_close_returns_only_between_optimizer_steps():
     assert server.join(10)
 
 
+def test_a_server_process_that_fails_while_running_closes_its_server_before_it_exits(monkeypatch):
+    """An error in the server process while its threads run (here --dynamic's set_counts failing to build a
+    trainer) is reported, and the server is closed (its threads halted, the step lock taken) before the process
+    exits with 1, so that it never exits inside another trainer's optimizer step."""
+    import multiprocessing as mp
+    from argparse import Namespace
+    import ga3c.server as srv
+    ctx = mp.get_context("fork")
+    closed, reported = ctx.Event(), ctx.Event()
+
+    class FailingServer:
+        halt, counts, failures = threading.Event(), (1, 1), []
+
+        def start(self):
+            return self
+
+        def set_counts(self, nt, np_):
+            raise MemoryError("no room for another trainer")
+
+        def close(self, timeout, step_timeout):
+            assert reported.is_set()  # the error goes to the main process first
+            closed.set()
+            return True
+
+    class Errors:
+        def report(self, slot, role, text):
+            assert "no room for another trainer" in text
+            reported.set()
+
+    class Run:
+        stop, errors = threading.Event(), Errors()
+
+        def mark_ready(self, slot):
+            pass
+
+    class Counters:
+        targets = torch.tensor([2, 1, 2])
+
+    monkeypatch.setattr(srv, "build_server", lambda *a, **k: FailingServer())
+    args = Namespace(gpu_ids=[-1], seed=1, dynamic=True)
+    child = ctx.Process(target=srv.server_process, args=(0, args, None, None, None, Counters(), Run()))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 1 and reported.is_set() and closed.is_set()
+
+
 def test_a_stopped_trainer_ends_between_its_passes():
     """--train-passes 3 with the stop flag set after the first pass: the trainer makes that pass, not the other two."""
     from ga3c.segment import Segment
@@ -432,6 +478,42 @@ def test_a_stopped_trainer_ends_between_its_passes():
     trainer._step = step
     trainer.update([seg], stop)
     assert trainer.updates == 4 and counters.version == 4  # without the flag, all three
+
+
+def test_a_trainer_stopped_between_passes_blends_the_average_once():
+    """--train-passes 3 with --ema-steps, the stop flag set after the first pass: the applied pass goes into the
+    moving average once (before, the average was blended only after the K-th pass, so it missed the batch)."""
+    from averaging import ema_weight, make_average
+    from ga3c.segment import Segment
+    from ga3c.trainer import Trainer
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6, 32)
+    average = make_average(model)
+    start = [p.detach().clone() for p in average.parameters()]
+    stop = Flag()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                      Ga3cSettings(train_passes=3, ema_steps=10), average_model=average)
+    n = 4
+    seg = Segment(slot=0, frames=torch.randn(n, 1, 80, 80), actions=torch.tensor([0, 1, 2, 3]),
+                  rewards=torch.tensor([0.0, 1.0, -1.0, 1.0]), mu=torch.full((n,), 1 / 6),
+                  versions=torch.zeros(n, dtype=torch.int64), state=(torch.zeros(1, 32), torch.zeros(1, 32)),
+                  terminated=True, truncated=False, bootstrap=0.0)
+    step = trainer._step
+
+    def step_then_stop(*a, **kw):
+        result = step(*a, **kw)
+        stop.set()
+        return result
+
+    trainer._step = step_then_stop
+    trainer.update([seg], stop)
+    assert trainer.updates == 1
+    w = ema_weight(n, 10)
+    moved = 0
+    for (name, a), s0, p in zip(average.named_parameters(), start, model.parameters()):
+        assert torch.allclose(a, s0.lerp(p.detach(), w), atol=1e-6, rtol=0), name
+        moved += int(not torch.equal(a, s0))
+    assert moved > 0  # the pass moved the weights, and the average with them
 
 
 def test_a_retired_trainers_partial_batch_goes_back_on_the_queue():
@@ -471,8 +553,8 @@ def test_a_held_window_measures_nothing_of_the_start_up():
 
 
 def test_dynamic_measures_a_setting_only_once_it_is_all_running(tmp_path):
-    """The main process holds the adjuster's window until a first update is in, the server's counts are at their
-    targets and every agent is ready."""
+    """The main process holds the adjuster's window until this run's first update is in (a resumed run's too),
+    the server's counts are at their targets and every agent is ready."""
     from config import build_parser
     from ga3c.run import Ga3cRun
 
@@ -487,6 +569,8 @@ def test_dynamic_measures_a_setting_only_once_it_is_all_running(tmp_path):
         c.active[0], c.active[1] = args.trainers, args.predictors
         run.run.ready[0] = run.run.ready[1] = 1
         assert not run._settled()  # no update yet
+        c.restore(500_000, 1234)
+        assert c.version == 1234 and not run._settled()  # resumed: the checkpoint's updates are not this run's
         c.updates[0] = 1
         assert run._settled()
         run.run.ready[1] = 0

@@ -694,6 +694,22 @@ def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv,
     assert train_passes_change_line(saved, args) == line
 
 
+@pytest.mark.parametrize("config,field", [
+    ({"train_passes": None}, "config.train_passes"), ({"train_passes": "2"}, "config.train_passes"),
+    ({"train_passes": 0}, "config.train_passes"), ({"train_passes": True}, "config.train_passes"),
+    ({"train_passes": 2, "pass_clip": None}, "config.pass_clip"), ({"pass_clip": float("nan")}, "config.pass_clip"),
+    ({"pass_clip": 1.5}, "config.pass_clip"), ({"pass_clip": "0.2"}, "config.pass_clip"),
+])
+def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, field, tmp_path):
+    """The resume's train_passes_change_line reads these two flags from the checkpoint: a damaged value is the
+    damaged-checkpoint line, not a TypeError; the saved values of a real run pass."""
+    from checkpoint import CHECKPOINT_FORMAT, ModelFileError, check_checkpoint
+    base = {"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(1)}}
+    with pytest.raises(ModelFileError, match=f"'{field}' is not a"):
+        check_checkpoint({**base, "config": {"mode": "ga3c", **config}}, tmp_path / "x.ckpt")
+    check_checkpoint({**base, "config": {"mode": "ga3c", "train_passes": 3, "pass_clip": 0.1}}, tmp_path / "x.ckpt")
+
+
 @pytest.mark.parametrize("ckpt,argv,why", [
     ({"optimizer": {"state": {}}, "optimizer_name": "Adam"}, ["--workers", "2", "--no-shared-optimizer"],
      "--no-shared-optimizer gives each worker a fresh optimizer of its own; the checkpoint's shared statistics "
