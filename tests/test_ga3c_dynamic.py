@@ -452,6 +452,19 @@ def test_a_server_process_that_fails_while_running_closes_its_server_before_it_e
     assert child.exitcode == 1 and reported.is_set() and closed.is_set()
 
 
+def stop_after_each_pass(trainer, stop):
+    """Make ``trainer`` set ``stop`` right after each of its optimizer steps; returns its own ``_step``."""
+    step = trainer._step
+
+    def step_then_stop(*a, **kw):
+        result = step(*a, **kw)
+        stop.set()
+        return result
+
+    trainer._step = step_then_stop
+    return step
+
+
 def test_a_stopped_trainer_ends_between_its_passes():
     """--train-passes 3 with the stop flag set after the first pass: the trainer makes that pass, not the other two."""
     from ga3c.segment import Segment
@@ -464,14 +477,7 @@ def test_a_stopped_trainer_ends_between_its_passes():
     seg = Segment(slot=0, frames=torch.zeros(n, 1, 80, 80), actions=torch.zeros(n, dtype=torch.int64),
                   rewards=torch.zeros(n), mu=torch.full((n,), 1 / 6), versions=torch.zeros(n, dtype=torch.int64),
                   state=(torch.zeros(1, 32), torch.zeros(1, 32)), terminated=False, truncated=False, bootstrap=0.0)
-    step = trainer._step
-
-    def step_then_stop(*a, **kw):
-        result = step(*a, **kw)
-        stop.set()
-        return result
-
-    trainer._step = step_then_stop
+    step = stop_after_each_pass(trainer, stop)
     trainer.update([seg], stop)
     assert trainer.updates == 1 and counters.version == 1
     stop.clear()
@@ -498,14 +504,7 @@ def test_a_trainer_stopped_between_passes_blends_the_average_once():
                   rewards=torch.tensor([0.0, 1.0, -1.0, 1.0]), mu=torch.full((n,), 1 / 6),
                   versions=torch.zeros(n, dtype=torch.int64), state=(torch.zeros(1, 32), torch.zeros(1, 32)),
                   terminated=True, truncated=False, bootstrap=0.0)
-    step = trainer._step
-
-    def step_then_stop(*a, **kw):
-        result = step(*a, **kw)
-        stop.set()
-        return result
-
-    trainer._step = step_then_stop
+    stop_after_each_pass(trainer, stop)
     trainer.update([seg], stop)
     assert trainer.updates == 1
     w = ema_weight(n, 10)
