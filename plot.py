@@ -256,6 +256,20 @@ def curve_styles(n: int) -> list[tuple[str, str]]:
     return [(to_hex(cmap(i / (n - 1))), "-") for i in range(n)]
 
 
+def thin_games(curve: dict, every_steps: int) -> dict:
+    """The games of ``curve`` that a sparser monitor would have played: the first game, then each first game that
+    ended at least ``every_steps`` global steps after the last one kept. A monitor that starts one game every N
+    steps (``--test-every-steps N``) plays games whose ends lie about N apart, so a run monitored more often,
+    thinned to N, is compared with runs monitored every N steps (its kept games are real games of that run, at
+    about the steps such a monitor would have played them)."""
+    keep, last = [], None
+    for i, steps in enumerate(curve["steps"]):
+        if last is None or steps - last >= every_steps:
+            keep.append(i)
+            last = steps
+    return {k: [v[i] for i in keep] for k, v in curve.items()}
+
+
 def rolling_mean(values: list[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
@@ -395,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the last game of the piece before it, in steps and time, resumed that piece's checkpoint and "
                         "goes on from it (default: pieces that resumed the previous piece's checkpoint and go on "
                         "counting)")
+    p.add_argument("--every-steps", type=int, default=None, metavar="N",
+                   help="keep only the games a monitor playing one game every N global steps would have played "
+                        "(the first, then each first game ending N steps after the last kept), to compare a run "
+                        "monitored more often with runs of --test-every-steps N (default: every game)")
     p.add_argument("--no-figure", dest="figure", action="store_false",
                    help="print the time-to-score table only; draw nothing")
     args = p.parse_args(argv)
@@ -412,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"--window must be >= 1, got {args.window}")
     if args.max_steps is not None and args.max_steps < 1:
         errors.append(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.every_steps is not None and args.every_steps < 1:
+        errors.append(f"--every-steps must be >= 1, got {args.every_steps}")
     curves, empty, warnings = [], [], []
     if args.restarted_pieces and not any(len(path) > 1 for path in paths):
         errors.append("--restarted-pieces is about pieces joined with + (a_monitor.csv+b_monitor.csv); no input "
@@ -432,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"{'+'.join(map(str, path))} has no game at or before --max-steps "
                                      f"{args.max_steps}")
                 curve = {k: [v[i] for i in keep] for k, v in curve.items()}
+            if args.every_steps is not None and args.every_steps >= 1:
+                curve = thin_games(curve, args.every_steps)
             curves.append((path, curve))
         except NoGamesYet as e:
             empty.append(str(e))

@@ -617,6 +617,30 @@ def test_plot_max_steps_draws_each_curve_up_to_the_budget(tmp_path, monkeypatch,
     assert "--max-steps must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_every_steps_keeps_the_games_a_sparser_monitor_would_have_played(tmp_path, capsys):
+    """--every-steps N: the first game, then each first game ending N global steps after the last one kept; the
+    time-to-score table is taken over those games only."""
+    import plot
+    curve = {"steps": [1000, 50000, 90000, 201000, 210000, 400000, 401000], "score": [-21, -20, 5, 19, 20, 21, 21],
+             "hours": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
+    thinned = plot.thin_games(curve, 200000)
+    # 1,000 kept; 50,000 and 90,000 too soon; 201,000 exactly 200,000 after it; 210,000 too soon; 400,000 is
+    # 199,000 after 201,000 (not kept); 401,000 is 200,000 after it
+    assert thinned == {"steps": [1000, 201000, 401000], "score": [-21, 19, 21], "hours": [0.1, 0.4, 0.7]}
+    assert plot.thin_games(curve, 1) == curve
+    rows = [HEADER] + [f"{1e9 + i},{3600 * h},{s},{v},100,1.0,0," for i, (s, v, h) in
+                       enumerate(zip(curve["steps"], curve["score"], curve["hours"]))]
+    csv = tmp_path / "a_monitor.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    assert plot.main([str(csv), "--no-figure", "--window", "2", "--levels", "20"]) == 0
+    assert "400k / 36 min" in capsys.readouterr().out  # every game: 20 and 21 make 20.5 at 400,000 steps
+    assert plot.main([str(csv), "--no-figure", "--window", "2", "--levels", "20", "--every-steps", "200000"]) == 0
+    out = capsys.readouterr().out
+    assert "401k / 42 min" in out and "400k" not in out  # the kept 19 and 21 make 20 at the third kept game
+    assert plot.main([str(csv), "--no-figure", "--every-steps", "0"]) == 2
+    assert "--every-steps must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_plot_bad_input(tmp_path):
     r = run_entry("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("plot.py: error: '")
