@@ -12,7 +12,9 @@ Both are written to a temporary file in the same folder and renamed over the old
 half-written file in their place; a temporary file left by a process killed mid-write is removed by the next run
 (``remove_stale_temp_files``). A write that fails (a full disk) raises ``CheckpointWriteError`` with one line that
 says why and where, and leaves the previous file as it was. Every load uses ``torch.load(..., weights_only=True)``,
-and a file that is damaged or not ours raises ``ModelFileError`` with one line.
+and a file that cannot be read, is not ours, does not fit the model, or holds NaN or infinite weights raises
+``ModelFileError`` with one line (a damaged file that still reads as finite weights of the right shapes is not
+found: torch does not check the archive's checksums).
 
 One run at a time writes into a folder: ``RunLock`` holds an ``flock`` on ``<folder>/.lock`` for the run's life
 (the kernel releases it when the process dies, however it dies).
@@ -364,7 +366,8 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
 def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | Path, env_id: str) -> None:
     """Raise ``ModelFileError`` unless ``sd`` has exactly the 16 keys with the shapes this env and
     ``--hidden-size`` need (the message names the key and both shapes), as floating-point tensors (float32, or
-    float16 / bfloat16 where a file is stored in fewer bytes: ``load_state_dict`` copies them into float32)."""
+    float16 / bfloat16 where a file is stored in fewer bytes: ``load_state_dict`` copies them into float32), all
+    finite."""
     want = expected_shapes(num_actions, hidden_size)
     missing = [k for k in want if k not in sd]
     extra = [k for k in sd if k not in want]
@@ -389,3 +392,8 @@ def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | P
                 hint = f" (check --hidden-size, now {hidden_size})"
             raise ModelFileError(f"model file {path} does not fit {env_id}: {key} has shape {got} in the file, "
                                  f"the model needs {shape}{hint}")
+    not_finite = [k for k in want if not bool(torch.isfinite(sd[k]).all())]
+    if not_finite:
+        raise ModelFileError(f"model file {path} holds NaN or infinite weights ({', '.join(not_finite[:4])}"
+                             f"{'...' if len(not_finite) > 4 else ''}): a run that diverged, or a damaged file; "
+                             "load an earlier checkpoint or model")

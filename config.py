@@ -38,8 +38,12 @@ STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema
 
 
 def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
-                        seed_help: str = "random seed; worker r uses seed + r") -> None:
-    """Flags shared by training and evaluation (same names as upstream)."""
+                        seed_help: str = "random seed; worker r uses seed + r",
+                        log_dir_help: str = "folder for logs, CSVs and TensorBoard (default: logs/<env>; a GA3C-mode "
+                                            "or Ray training run's: logs/<env>-ga3c, logs/<env>-ray)",
+                        see_skipped_default: str = "the emulator's last frame") -> None:
+    """Flags shared by training and evaluation (same names as upstream); the help of ``--log-dir`` and the default
+    that ``--see-skipped-frames``' help names are each program's own."""
     p.add_argument("--env", "-ev", default=DEFAULT_ENV, help="environment id (default: %(default)s)")
     p.add_argument("--env-config", "-evc", default="config.json", help="per-game crop table (default: %(default)s)")
     p.add_argument("--max-episode-length", "-mel", type=int, default=10000,
@@ -50,12 +54,10 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
                    help="for ids whose emulator skips frames (X-v0, X-v4, ALE/X-v5, XDeterministic-v4): step the "
                         "emulator one frame at a time with the id's own skip (fixed, or a random 2-4) and show the max "
                         "over the step's last frames (up to 3), as for NoFrameskip ids; the same game, an "
-                        "observation that shows motion (default: the emulator's last frame)")
+                        f"observation that shows motion (default: {see_skipped_default})")
     p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
     p.add_argument("--seed", "-s", type=int, default=1, help=f"{seed_help} (default: %(default)s)")
-    p.add_argument("--log-dir", log_dir_short, default=None,
-                   help="folder for logs, CSVs and TensorBoard (default: logs/<env>; a GA3C-mode or Ray "
-                        "training run's: logs/<env>-ga3c, logs/<env>-ray)")
+    p.add_argument("--log-dir", log_dir_short, default=None, help=log_dir_help)
 
 
 # The defaults that depend on the mode: GA3C mode's were measured on Pong over three seeds each and checked on

@@ -52,7 +52,7 @@ from checkpoint import (ModelFileError, card_of_this_file, check_state_dict, fil
                         played_state_dict, read_card, read_weights)
 from cli import Parser
 from config import SEED_LIMIT, add_model_env_flags, validate_common, validate_dir, validate_file, validate_gpu_ids
-from environment import atari_env, load_env_config, num_actions, protocol, resolve_env_id
+from environment import EnvIdError, atari_env, load_env_config, num_actions, protocol, resolve_env_id
 from model import A3Clstm
 import precision
 from precision import PRECISIONS
@@ -63,7 +63,10 @@ PROG = "gym_eval.py"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Evaluate, watch or record a trained A3C-LSTM model.")
-    add_model_env_flags(p, log_dir_short="-lgd", seed_help="random seed; game i is seeded with seed + i")
+    add_model_env_flags(p, log_dir_short="-lgd", seed_help="random seed; game i is seeded with seed + i",
+                        log_dir_help="folder for the game log and the summary JSON (default: logs/<env>)",
+                        see_skipped_default="as the model's card or a .ckpt's configuration says, else the "
+                                            "emulator's last frame")
     p.add_argument("--num-episodes", "-ne", type=int, default=100, help="games to play (default: %(default)s)")
     p.add_argument("--load-model-dir", "-lmd", default="trained_models/",
                    help="where <env>.dat is looked for, or else a model whose card names <env> under default_for "
@@ -161,6 +164,28 @@ def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str |
             config.get("see_skipped_frames") is True else None
     card = card_of_this_file(model, sha256)
     return str(model.with_suffix(".json")) if card is not None and card.get("see_skipped_frames") is True else None
+
+
+def trained_on_another_game(model: Path, sha256: str | None, obj, env_id: str) -> str | None:
+    """The line that says the model was trained on another game than ``env_id``'s, as a ``.ckpt``'s saved
+    configuration or the card beside a ``.dat`` (as ``trained_seeing_skipped_frames`` finds it) names it; None
+    where they name the same game in any version (another protocol of the same game is an evaluation of its own),
+    or name nothing."""
+    if isinstance(obj, dict) and is_checkpoint(obj):
+        config = obj.get("config")
+        trained, said_by = (config.get("env") if isinstance(config, dict) else None), "the checkpoint's configuration"
+    else:
+        card = card_of_this_file(model, sha256)
+        trained, said_by = (card.get("env") if card is not None else None), str(model.with_suffix(".json"))
+    if not isinstance(trained, str):
+        return None
+    try:
+        if resolve_env_id(trained).game == resolve_env_id(env_id).game:
+            return None
+    except EnvIdError:
+        return None
+    return (f"warning: {said_by} says the model was trained on {trained}, another game than {env_id}'s (the same "
+            f"number of actions): its scores here say little")
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -576,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in args.precision_warnings:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    other_game = None if args.random_actions else trained_on_another_game(path, model_sha256, obj, args.env)
+    if other_game:
+        print(f"{PROG}: {other_game}", file=sys.stderr, flush=True)
     if args.see_skipped_frames is None:
         said_by = None if args.random_actions else trained_seeing_skipped_frames(path, model_sha256, obj)
         args.see_skipped_frames = said_by is not None
@@ -585,11 +613,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     keep_freed_memory()
-    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    for folder in (args.record, args.trace):
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-    log = setup_logger(f"eval.{file_stem(args)}", mon_log_path(args))
+    try:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        for folder in (args.record, args.trace):
+            if folder:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+        log = setup_logger(f"eval.{file_stem(args)}", mon_log_path(args))
+    except OSError as e:  # a dangling link, a file it may not write: found only when opened
+        print(f"{PROG}: error: cannot open the game log {mon_log_path(args)} ({e.strerror or e}): pass --log-dir "
+              f"DIR to log elsewhere", file=sys.stderr)
+        return 2
     proto = protocol(args.env, max_episode_length=args.max_episode_length, skip_rate=args.skip_rate,
                      episodic_life=False, see_skipped=args.see_skipped_frames)
     for k, v in sorted(vars(args).items()):
@@ -670,18 +703,17 @@ def main(argv: list[str] | None = None) -> int:
         failure = str(e)
     finally:
         bar.close()
-        for p in procs:  # stopped at once on Ctrl-C or a failure: a game they finished now would not be counted
-            if interrupted or failure:
-                p.kill()
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        # stopped at once on Ctrl-C or a failure: a game they finished now would not be counted
+        if end_workers(procs, kill=interrupted or failure is not None):
+            interrupted = True
     if interrupted or failure:  # what a killed worker was writing: a partial video, a trace's temporary file
         for folder, pattern in ((args.record, f".{file_stem(args)}_game*.partial.mp4"),
                                 (args.trace, f"{safe_name(args.env)}_game*.csv.tmp")):
             for partial in Path(folder).glob(pattern) if folder else ():
                 partial.unlink(missing_ok=True)
+    if interrupted and len(scores) == n:
+        print(f"{PROG}: interrupted after all {n} games, before the summary was written", file=sys.stderr)
+        return 130
     if interrupted:
         print(f"{PROG}: interrupted after {len(scores)} of {n} games", file=sys.stderr)
         return 130
@@ -695,6 +727,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted after all {n} games, before the summary was written", file=sys.stderr)
         return 130
+
+
+def end_workers(procs: list, kill: bool) -> bool:
+    """Let the evaluation processes end (``kill``: kill them at once): each is waited for up to 5 s, then killed.
+    A Ctrl-C while waiting kills the rest at once; the kills and their joins run with Ctrl-C ignored, so that a
+    second one cannot leave a process behind. Returns whether a Ctrl-C came."""
+    ctrl_c = False
+    if not kill:
+        try:
+            for p in procs:
+                p.join(timeout=5)
+        except KeyboardInterrupt:
+            ctrl_c = True
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return ctrl_c
 
 
 def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha256: str | None, proto: dict, log,

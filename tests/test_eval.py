@@ -1134,6 +1134,71 @@ def test_a_checkpoint_s_configuration_turns_see_skipped_frames_on(tmp_path, mode
             in r.stdout) is saved
 
 
+@pytest.mark.parametrize("trained, warned", [("SpaceInvadersNoFrameskip-v4", True), ("ALE/Pong-v5", False),
+                                              (None, False)])
+def test_a_checkpoint_of_another_game_is_played_with_a_warning(tmp_path, model_dir, trained, warned):
+    """A ``.ckpt`` saved by a run of another game with as many actions (SpaceInvaders has Pong's 6) plays, with one
+    warning line first; another version of the same game, or a checkpoint that names no game, plays without."""
+    from checkpoint import CHECKPOINT_FORMAT
+    sd = torch.load(model_dir / "PongNoFrameskip-v4.dat", weights_only=True)
+    config = {} if trained is None else {"env": trained}
+    torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "model": sd, "config": config}, model_dir / "run.ckpt")
+    _, r = evaluate(tmp_path, model_dir, "s", "--num-episodes", "1", "--max-episode-length", "5", "--model-file",
+                    str(model_dir / "run.ckpt"))
+    line = ("gym_eval.py: warning: the checkpoint's configuration says the model was trained on "
+            "SpaceInvadersNoFrameskip-v4, another game than PongNoFrameskip-v4's")
+    assert (line in r.stderr) is warned and ("another game" in r.stderr) is warned
+
+
+def test_a_model_with_nan_weights_is_refused_in_one_line(tmp_path, model_dir):
+    """A diverged run's weights would play NOOP after NOOP (argmax of NaN logits) and be scored as a model."""
+    sd = torch.load(model_dir / "PongNoFrameskip-v4.dat", weights_only=True)
+    sd["lstm.weight_hh"][3, 5] = float("nan")
+    sd["critic_linear.bias"][0] = float("inf")
+    torch.save(sd, model_dir / "PongNoFrameskip-v4.dat")
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir))
+    assert "holds NaN or infinite weights (lstm.weight_hh, critic_linear.bias): a run that diverged" in line
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_game_log_that_cannot_be_opened_is_one_line(tmp_path, model_dir):
+    """A dangling link where the game log goes passes the checks of paths (it is no folder) and fails only when
+    opened: one line and exit 2, no game played."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "PongNoFrameskip-v4_mon_log").symlink_to(tmp_path / "gone" / "log")
+    r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(logs), cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout.count("game ") == 0
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"gym_eval.py: error: cannot open the game log {logs / 'PongNoFrameskip-v4_mon_log'} (No such file")
+    assert "Traceback" not in r.stderr
+
+
+def _sleep_forever():
+    time.sleep(120)
+
+
+def test_a_ctrl_c_while_the_evaluation_processes_end_kills_them_and_is_reported():
+    """All games in, the processes given 5 s each to end: a Ctrl-C then stops the waiting, kills them, and
+    ``end_workers`` says it came (gym_eval.py then exits 130 with one line); without one they are joined."""
+    import multiprocessing as mp
+    import threading
+    from gym_eval import end_workers
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_sleep_forever) for _ in range(2)]
+    for p in procs:
+        p.start()
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    assert end_workers(procs, kill=False) is True
+    assert time.monotonic() - t0 < 4.5 and all(p.exitcode == -signal.SIGKILL for p in procs)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is back as it was
+    quick = [ctx.Process(target=time.sleep, args=(0.1,)) for _ in range(2)]
+    for p in quick:
+        p.start()
+    assert end_workers(quick, kill=False) is False and all(p.exitcode == 0 for p in quick)
+
+
 def test_scores_of_a_million_and_more_are_printed_whole(tmp_path, capsys):
     """Atlantis and VideoPinball score millions: the summary line prints them digit for digit, not as 2.87321e+06."""
     import argparse
