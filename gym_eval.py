@@ -268,9 +268,12 @@ class VideoWriter:
         if self.writer is None:
             import imageio_ffmpeg
             h, w = frame.shape[:2]
+            # ffmpeg shares our stderr: at "error" it said "Invalid buffer size" where the process feeding it was
+            # killed mid-frame (a Ctrl-C, another process's failure), a second line beside ours; a real failure
+            # still reaches us, as the writer's exception
             self.writer = imageio_ffmpeg.write_frames(str(partial_video(self.path)), (w, h), fps=self.fps, codec="libx264",
                                                       pix_fmt_out="yuv420p", macro_block_size=2, quality=None,
-                                                      output_params=["-crf", "18"], ffmpeg_log_level="error")
+                                                      output_params=["-crf", "18"], ffmpeg_log_level="fatal")
             self.writer.send(None)
         self.writer.send(frame.tobytes())
         self.frames += 1
