@@ -561,7 +561,7 @@ def test_the_grpc_check_passes_a_grpc_server_and_is_left_out_with_tls(monkeypatc
         web.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_a_stop_signal_while_ray_init_retries_ends_the_driver_in_one_line(tmp_path, sig):
     """A server that passes the check (it answers as gRPC does) but never answers a call: ``ray.init`` waits and
     retries for minutes. One stop signal ends the driver within START_GRACE_SECONDS, in one line (after Ray's
