@@ -154,29 +154,30 @@ def missing_model_hint(args: argparse.Namespace) -> str:
     return f" (train one with main.py, or pass --model-file / --load-model-dir{named})"
 
 
-def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str | None:
-    """What says the model was trained with ``--see-skipped-frames``, or None: the card beside ``model``
-    (``<stem>.json`` whose ``model_file`` names it and whose ``sha256`` is the file's) with ``"see_skipped_frames":
-    true``, or a ``.ckpt``'s saved configuration. A bare ``.dat`` without such a card says nothing."""
+def trained_with(model: Path, sha256: str | None, obj) -> tuple[dict, str] | None:
+    """What says how the model was trained, and its name: a ``.ckpt``'s saved configuration, or the card beside
+    ``model`` (``<stem>.json`` whose ``model_file`` names it and whose ``sha256`` is the file's); None for a bare
+    ``.dat`` without such a card (or a checkpoint without a configuration)."""
     if isinstance(obj, dict) and is_checkpoint(obj):
         config = obj.get("config")
-        return "the checkpoint's configuration" if isinstance(config, dict) and \
-            config.get("see_skipped_frames") is True else None
+        return (config, "the checkpoint's configuration") if isinstance(config, dict) else None
     card = card_of_this_file(model, sha256)
-    return str(model.with_suffix(".json")) if card is not None and card.get("see_skipped_frames") is True else None
+    return (card, str(model.with_suffix(".json"))) if card is not None else None
+
+
+def trained_seeing_skipped_frames(model: Path, sha256: str | None, obj) -> str | None:
+    """What says the model was trained with ``--see-skipped-frames`` (``trained_with``: ``"see_skipped_frames":
+    true`` in a card, or a ``.ckpt``'s flag), or None."""
+    said = trained_with(model, sha256, obj)
+    return said[1] if said is not None and said[0].get("see_skipped_frames") is True else None
 
 
 def trained_on_another_game(model: Path, sha256: str | None, obj, env_id: str) -> str | None:
-    """The line that says the model was trained on another game than ``env_id``'s, as a ``.ckpt``'s saved
-    configuration or the card beside a ``.dat`` (as ``trained_seeing_skipped_frames`` finds it) names it; None
-    where they name the same game in any version (another protocol of the same game is an evaluation of its own),
-    or name nothing."""
-    if isinstance(obj, dict) and is_checkpoint(obj):
-        config = obj.get("config")
-        trained, said_by = (config.get("env") if isinstance(config, dict) else None), "the checkpoint's configuration"
-    else:
-        card = card_of_this_file(model, sha256)
-        trained, said_by = (card.get("env") if card is not None else None), str(model.with_suffix(".json"))
+    """The line that says the model was trained on another game than ``env_id``'s, as ``trained_with`` names it;
+    None where it names the same game in any version (another protocol of the same game is an evaluation of its
+    own), or names nothing."""
+    said = trained_with(model, sha256, obj)
+    trained = said[0].get("env") if said is not None else None
     if not isinstance(trained, str):
         return None
     try:
@@ -184,7 +185,7 @@ def trained_on_another_game(model: Path, sha256: str | None, obj, env_id: str) -
             return None
     except EnvIdError:
         return None
-    return (f"warning: {said_by} says the model was trained on {trained}, another game than {env_id}'s (the same "
+    return (f"warning: {said[1]} says the model was trained on {trained}, another game than {env_id}'s (the same "
             f"number of actions): its scores here say little")
 
 
@@ -714,11 +715,9 @@ def main(argv: list[str] | None = None) -> int:
                                 (args.trace, f"{safe_name(args.env)}_game*.csv.tmp")):
             for partial in Path(folder).glob(pattern) if folder else ():
                 partial.unlink(missing_ok=True)
-    if interrupted and len(scores) == n:
-        print(f"{PROG}: interrupted after all {n} games, before the summary was written", file=sys.stderr)
-        return 130
     if interrupted:
-        print(f"{PROG}: interrupted after {len(scores)} of {n} games", file=sys.stderr)
+        print(f"{PROG}: interrupted after " + (f"all {n} games, before the summary was written" if len(scores) == n
+                                               else f"{len(scores)} of {n} games"), file=sys.stderr)
         return 130
     if failure is not None:
         log.info(f"failed after {len(scores)} of {n} games: {failure}")
