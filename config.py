@@ -34,7 +34,8 @@ def resolve_env_config(path: str) -> str:
 
 SEED_LIMIT = 2**32  # seeds run from 0 to SEED_LIMIT - 1 (gymnasium refuses negative ones)
 STEP_COUNT_LIMIT = 2**63  # step counts are int64 in the counters and refused from here on in a checkpoint
-STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema_steps", "test_every_steps")
+STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema_steps", "test_every_steps",
+                    "confirm_every_steps")
 
 
 def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the monitor starts a test game every this many global steps (default: %(default)s)")
     p.add_argument("--test-every-seconds", type=float, default=0,
                    help="... or this many seconds after the last one ended, whichever comes first; 0 = off")
+    p.add_argument("--confirm-every-steps", type=int, default=5000, metavar="N",
+                   help="with --target-score: while one of the monitor's last --score-window games scored at least "
+                        "the target, it starts a game every N global steps instead (when that is sooner), so that a "
+                        "run that plays at its target is seen there, and stops, sooner; 0 = off "
+                        "(default: %(default)s)")
     p.add_argument("--status-every-seconds", type=float, default=60,
                    help="log a status line (steps/s, smoothed losses) this often (default: %(default)s)")
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,
@@ -407,6 +413,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         (args.ema_steps >= 0, f"--ema-steps must be >= 0 (0 = off), got {args.ema_steps}"),
         (args.test_every_steps >= 0, f"--test-every-steps must be >= 0, got {args.test_every_steps}"),
         (args.test_every_seconds >= 0, f"--test-every-seconds must be >= 0, got {args.test_every_seconds}"),
+        (args.confirm_every_steps >= 0,
+         f"--confirm-every-steps must be >= 0 (0 = off), got {args.confirm_every_steps}"),
         (args.status_every_seconds > 0, f"--status-every-seconds must be > 0, got {args.status_every_seconds}"),
         (args.checkpoint_every_seconds > 0,
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),

@@ -3,7 +3,9 @@ average, which is then the model it is given), logs them, and saves the model it
 
 Cadence: a game starts ``--test-every-steps`` global agent steps after the start of the last one (or
 ``--test-every-seconds`` after its end, whichever comes first), so on a small machine it costs a few percent of the
-workers' time instead of a core.
+workers' time instead of a core. With ``--target-score``, while one of the last ``--score-window`` games scored at
+least the target, the step cadence is ``--confirm-every-steps`` where that is sooner (``game_interval``): the
+window of a run that plays at its target fills, and the run stops, sooner.
 
 Per game it writes the upstream line to ``<log-dir>/<env>_log`` (appended), one row to
 ``<log-dir>/<env>_monitor.csv``, a console line with global steps and steps/s, and, with
@@ -95,6 +97,15 @@ def open_csv(path: Path):
     return f, writer
 
 
+def game_interval(args: Namespace, recent: list[float]) -> int:
+    """Global steps from the start of one monitor game to the start of the next: ``--confirm-every-steps`` when
+    ``--target-score`` is given, one of ``recent`` (the window's known scores) is at least it, and that cadence is
+    on (> 0) and sooner than ``--test-every-steps`` (0 there: no step cadence); else ``--test-every-steps``."""
+    every, confirm = args.test_every_steps, args.confirm_every_steps
+    near = args.target_score is not None and any(s >= args.target_score for s in recent)
+    return confirm if near and confirm > 0 and (every == 0 or confirm < every) else every
+
+
 def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
                 elapsed_offset: float = 0.0) -> None:
     """The monitor loop (see module docstring); returns when ``run.stop`` is set."""
@@ -121,6 +132,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     # the first game's seed follows the learners' first ones: an A3G worker r plays seed + r, a GA3C env slot s
     # seed + s (its row of norm_stats, as the monitor's row is the last), so the monitor's opening is no learner's
     seed = args.seed + run.monitor_norm
+    interval = args.test_every_steps
     run.mark_ready(run.monitor_slot)
     try:
         while not run.stop.is_set():
@@ -161,9 +173,16 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                              f"the last {run.recent.numel()} games")
                 run.target_reached.set()
             # wait for the next game: by global steps and/or seconds
+            if (now_every := game_interval(args, run.recent_scores())) != interval:
+                interval = now_every
+                console.info(f"[monitor] a game of the last {run.recent.numel()} scored at least "
+                             f"{args.target_score:g}: a game every {interval:,} global steps until none does"
+                             if interval != args.test_every_steps else
+                             f"[monitor] none of the last {run.recent.numel()} games scored at least "
+                             f"{args.target_score:g}: back to --test-every-steps {interval}")
             t0 = time.time()
             while not run.stop.is_set():
-                by_steps = args.test_every_steps > 0 and run.global_steps.value - steps_at_start >= args.test_every_steps
+                by_steps = interval > 0 and run.global_steps.value - steps_at_start >= interval
                 by_time = args.test_every_seconds > 0 and time.time() - t0 >= args.test_every_seconds
                 if by_steps or by_time or (args.test_every_steps == 0 and args.test_every_seconds == 0):
                     break

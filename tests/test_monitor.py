@@ -1,0 +1,120 @@
+"""The monitor's cadence: ``test.game_interval`` by hand, and ``test.run_monitor``'s loop, played in this process
+with scripted games, where the clock the loop waits on is the global step count the test advances."""
+from argparse import Namespace
+
+import pytest
+import torch
+
+import test as monitor
+from config import build_parser, validate
+from model import A3Clstm
+from run_state import RunState
+
+
+def cadence(every=20000, confirm=5000, target=20.0):
+    return Namespace(test_every_steps=every, confirm_every_steps=confirm, target_score=target)
+
+
+@pytest.mark.parametrize("args, recent, expected", [
+    (cadence(), [], 20000),                                  # no game yet
+    (cadence(), [-21.0, 19.0, 19.5], 20000),                 # none at the target
+    (cadence(), [-21.0, 20.0, -21.0], 5000),                 # one at the target, anywhere in the window
+    (cadence(), [21.0], 5000),                               # above it
+    (cadence(target=None), [21.0, 21.0], 20000),             # no target: the plain cadence
+    (cadence(confirm=0), [21.0], 20000),                     # off
+    (cadence(confirm=20000), [21.0], 20000),                 # not sooner
+    (cadence(confirm=30000), [21.0], 20000),                 # later: the plain cadence stays
+    (cadence(every=0), [21.0], 5000),                        # no step cadence: the confirming one is sooner
+    (cadence(every=0), [0.0], 0),
+    (cadence(target=-5.0), [float("nan"), -5.0], 5000),      # a game not known (nan) counts for nothing
+    (cadence(target=-5.0), [float("nan")], 20000),
+])
+def test_game_interval_by_hand(args, recent, expected):
+    assert monitor.game_interval(args, recent) == expected
+
+
+def test_confirm_every_steps_default_and_bad_values():
+    args = build_parser().parse_args([])
+    assert args.confirm_every_steps == 5000 and args.test_every_steps == 20000
+    for value, line in (("-1", "--confirm-every-steps must be >= 0 (0 = off), got -1"),
+                        (str(2 ** 63), f"--confirm-every-steps must be < 2**63 (a step count the checkpoint holds), "
+                                       f"got {2 ** 63}")):
+        assert line in validate(build_parser().parse_args(["--confirm-every-steps", value]))
+
+
+def play_scripted(tmp_path, monkeypatch, scores, flags, window=3):
+    """Runs ``run_monitor`` on games that score ``scores`` in turn; while it waits for the next game, each of its
+    sleeps advances the global step count by 500. Returns the global steps at which each game started and the
+    monitor's console lines; the loop ends at the start of the game after the last score."""
+    args = build_parser().parse_args(["--hidden-size", "32", "--score-window", str(window), "--log-dir",
+                                      str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *flags])
+    assert validate(args) == []
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "models").mkdir()
+    run = RunState(1, window)
+    starts = []
+
+    def game(model, env, device, seed=None, should_stop=None, **kw):
+        starts.append(run.global_steps.value)
+        if len(starts) > len(scores):
+            run.stop.set()
+            return 0.0, 1, False
+        return scores[len(starts) - 1], 1000, True
+
+    def sleep(seconds):
+        run.global_steps.value += 500
+
+    lines = []
+    monkeypatch.setattr(monitor, "play_game", game)
+    monkeypatch.setattr(monitor.time, "sleep", sleep)
+    monkeypatch.setattr(monitor, "setup_logger", lambda name, path, console=False: _Lines(lines) if console
+                        else _Lines([]))
+    monitor.run_monitor(args, A3Clstm(1, 6, 32), run, torch.device("cpu"))
+    return starts, lines
+
+
+class _Lines:
+    def __init__(self, lines):
+        self.lines = lines
+
+    def info(self, text):
+        self.lines.append(text)
+
+
+def test_the_monitor_confirms_a_game_at_the_target_sooner_and_goes_back_when_none_is_left(tmp_path, monkeypatch):
+    # window 3: after game 2 (20) the window holds a game at the target until game 5 pushes it out
+    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, -21.0, -21.0, -21.0],
+                                  ["--target-score", "20"])
+    assert starts == [0, 20000, 25000, 30000, 35000, 55000]
+    changes = [line for line in lines if "global steps until none does" in line or "back to" in line]
+    assert changes == ["[monitor] a game of the last 3 scored at least 20: a game every 5,000 global steps until "
+                       "none does",
+                       "[monitor] none of the last 3 games scored at least 20: back to --test-every-steps 20000"]
+
+
+@pytest.mark.parametrize("flags", [["--target-score", "20", "--confirm-every-steps", "0"], []])
+def test_without_a_target_or_with_confirming_off_the_cadence_is_test_every_steps(tmp_path, monkeypatch, flags):
+    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 21.0, 20.0], flags)
+    assert starts == [0, 20000, 40000, 60000, 80000]
+    assert not [line for line in lines if "until none does" in line or "back to" in line]
+
+
+def test_the_confirming_cadence_reaches_the_target_and_stops_sooner(tmp_path, monkeypatch):
+    # --target-score stops a run through run.target_reached; here the mean of 3 games reaches 20 at game 4
+    starts, _ = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 20.0, 20.0], ["--target-score", "20",
+                                                                                   "--confirm-every-steps", "3000"])
+    assert starts == [0, 20000, 23000, 26000, 29000]
+
+
+def test_a_resumed_window_with_a_game_at_the_target_confirms_from_its_first_game(tmp_path, monkeypatch):
+    """The window is the checkpoint's (``RunState.recent``): a run resumed with a game at the target in it tests
+    at the confirming cadence after its first game."""
+    real = RunState.__init__
+
+    def restored(self, *a, **k):
+        real(self, *a, **k)
+        self.record_game(20.0)
+    monkeypatch.setattr(RunState, "__init__", restored)
+    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, -21.0, -21.0], ["--target-score", "20"])
+    assert starts == [0, 5000, 10000, 30000]
+    assert lines[-1] == "[monitor] none of the last 3 games scored at least 20: back to --test-every-steps 20000"
