@@ -104,6 +104,7 @@ class _SharedStateMixin:
         saved_ids = [i for g in saved_groups for i in g["params"]]
         if len(saved_ids) != len(params):
             raise ValueError("optimizer state has a different number of parameters")
+        copies = []  # every parameter is checked before any statistic is copied: a refused state changes nothing
         for saved_id, p in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
             own = set(self.state[p]) - {"step"}
@@ -118,8 +119,10 @@ class _SharedStateMixin:
                 if target.shape != value.shape:
                     raise ValueError(f"optimizer state '{key}' has shape {tuple(value.shape)}, "
                                      f"expected {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(value)
+                copies.append((target, value))
+        with torch.no_grad():
+            for target, value in copies:
+                target.copy_(value)
 
     @staticmethod
     def saved_hyperparameters(state_dict: dict) -> list[dict]:

@@ -101,6 +101,7 @@ class Ga3cRun(Mode):
     def restore(self, ckpt: dict) -> None:
         self.run.restore(ckpt)
         self.counters.restore(self.run.global_steps.value, int(ckpt.get("ga3c_updates", 0)))
+        self._status_updates = self.counters.version  # the status line's updates/s counts this run's updates
         self.console.resume(self.run.global_steps.value, self.counters.version, int(ckpt.get("ga3c_episodes", 0)))
 
     def snapshot(self) -> dict:

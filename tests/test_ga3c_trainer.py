@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import segments_reference_backward
-from ga3c.batch_losses import (batched_returns_advantages, clipped_surrogate_loss, flat_index, importance_weights,
-                               padded, segment_loss)
+from ga3c.batch_losses import (batched_a3c_loss, batched_returns_advantages, clipped_surrogate_loss, flat_index,
+                               importance_weights, padded, segment_loss)
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows
 from ga3c.settings import Ga3cSettings
 from ga3c.stats import Ga3cCounters
@@ -136,6 +136,33 @@ def test_clipped_surrogate_hand_computed():
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
     with pytest.raises(ValueError, match="pass_clip"):
         segment_loss(logits, values, actions, rewards, 0.5, mu=on, is_clip=1.0, pass_clip=0.2, **KW)
+
+
+def test_importance_weighted_policy_gradient_hand_computed():
+    """--is-clip and greedy slots: the policy term is -sum_i w_i log pi(a_i) A_i with w_i = min(pi(a_i) / mu_i, c)
+    a constant, so (no entropy bonus, constant values) d loss / d logits_i = -w_i A_i (onehot(a_i) - pi_i), in the
+    reference and in the batched loss. A weight that carried a gradient would add -w_i A_i log pi(a_i) times the
+    same vector."""
+    logits = torch.randn(4, A, generator=torch.Generator().manual_seed(9))
+    values, actions, rewards = t(0.1, -0.2, 0.3, 0.0), torch.tensor([0, 3, 5, 1]), t(0, 1, -1, 0)
+    mu, kw = t(0.5, 0.05, 0.3, 0.2), dict(gamma=0.99, tau=0.92, entropy_coef=0.0, value_coef=0.5)
+    pi = torch.softmax(logits, 1)
+    taken = pi.gather(1, actions.view(-1, 1)).squeeze(1)
+    adv = gae_advantages(rewards, values, 0.5, kw["gamma"], kw["tau"])
+    onehot = torch.nn.functional.one_hot(actions, A).to(pi.dtype)
+    for is_clip, greedy, w in ((1.0, False, (taken / mu).clamp(max=1.0)), (10.0, False, taken / mu),
+                               (None, True, taken)):
+        expected = -(w * adv)[:, None] * (onehot - pi)
+        assert (w < 1).any() and (w != 1).any()  # the weights matter here
+        one, flat = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        segment_loss(one, values, actions, rewards, 0.5, mu=torch.ones(4) if greedy else mu, is_clip=is_clip,
+                     greedy=greedy, **kw).total.backward()
+        assert torch.allclose(one.grad, expected, atol=1e-6), (is_clip, greedy)
+        loss, _ = batched_a3c_loss(flat, values, actions, rewards, t(0.5), torch.tensor([4]),
+                                   mu=torch.ones(4) if greedy else mu, is_clip=is_clip,
+                                   greedy=torch.full((4,), greedy), **kw)
+        loss.total.backward()
+        assert torch.allclose(flat.grad, expected, atol=1e-6), (is_clip, greedy)
 
 
 def random_segments(lengths, ends, seed=0, greedy=()):

@@ -79,7 +79,9 @@ def test_upstream_initialisation():
         assert conv.bias.abs().sum() == 0
         fan_in = conv.weight[0].numel()
         bound = (2 ** 0.5) / fan_in ** 0.5  # kaiming_uniform(a=sqrt(5)) bound is 1/sqrt(fan_in), times relu gain
-        assert conv.weight.abs().max() <= bound + 1e-6
+        # uniform on [-bound, bound]: of 800 or more weights the largest is above 0.9 bound (without the gain the
+        # bound is bound / sqrt(2), about 0.71 bound)
+        assert 0.9 * bound < conv.weight.abs().max() <= bound + 1e-6
 
 
 def upstream_file(tmp_path, legacy: bool, actions=6, hidden=512):

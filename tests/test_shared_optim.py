@@ -69,6 +69,33 @@ def test_load_state_dict_keeps_state_shared_and_continues_identically():
     for s_src, s_dst in zip(src.state.values(), dst.state.values()):
         for k in s_src:
             assert torch.equal(s_src[k], s_dst[k]) and s_dst[k].is_shared()
+    # and steps on as the optimizer it was loaded from: the same weights after 5 more steps on the same gradients
+    src_params = [p for g in src.param_groups for p in g["params"]]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        for p, q in zip(src_params, params):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        src.step()
+        dst.step()
+    assert all(torch.equal(p, q) for p, q in zip(src_params, params))
+
+
+@pytest.mark.parametrize("cls", [SharedAdam, SharedRMSprop])
+def test_a_refused_state_changes_no_statistic(cls):
+    """A state whose last parameter's statistics have another shape is refused before anything is copied: the
+    statistics of the parameters before it stay as they were (a Ray node that refuses a join's state starts
+    afresh, so it must be left whole)."""
+    src = run_pair(cls, {}, cls, {}, steps=3)
+    saved = src.state_dict()
+    last = saved["param_groups"][0]["params"][-1]
+    saved["state"][last] = {k: (v if v.dim() == 0 else torch.zeros(v.numel() + 1)) for k, v in
+                            saved["state"][last].items()}
+    dst = cls(make_params())
+    before = [v.clone() for s in dst.state.values() for v in s.values()]
+    with pytest.raises(ValueError, match="has shape"):
+        dst.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, (v for s in dst.state.values() for v in s.values())))
 
 
 @pytest.mark.parametrize("cls,kw", [(SharedAdam, {}), (SharedRMSprop, {})])
