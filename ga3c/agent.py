@@ -10,8 +10,9 @@ Episode ends follow the A3C worker (``player_util.Agent``): learner envs are bui
 so a lost life *terminates* the learner's episode (bootstrap 0, a fresh LSTM state: the next request is flagged
 ``episode_start``) while the game goes on; a time limit *truncates* it: the agent first posts the last
 observation as a ``final`` request (the predictor needs V of it to bootstrap), then the reset observation.
-Rewards are clipped to [-1, 1] for learning; the unclipped score and the agent steps of each whole game (all
-lives) go to the ``EpisodeLog``, and every step is counted exactly once in ``Ga3cCounters``.
+Rewards are clipped to [-1, 1] for learning; the unclipped score and the agent steps of each whole learner game (all
+lives; not the games of ``--short-game-slots`` or ``--greedy-slots``) go to the ``EpisodeLog``, and every step is
+counted exactly once in ``Ga3cCounters``.
 
 Waiting polls the response counters with a short, growing sleep (``buffers.Backoff``): an idle agent costs
 almost nothing, and a dead predictor never blocks it past ``stop``.
