@@ -165,6 +165,7 @@ class Ga3cRun(Mode):
 
     # ---- what the main process does while the run goes on --------------------------------------------------------
     def tick(self, now: float) -> None:
+        lost_before = self.episodes.lost
         for episode in self.episodes.read_new():
             self.console.add(episode)
             if self.scores_by_id is not None and episode.slot >= 0:
@@ -173,6 +174,9 @@ class Ga3cRun(Mode):
             self.log.info(self.console.line(now, self.run.global_steps.value, self.counters.version, nt, np_, na))
             if self.results is not None:
                 self.results.write(episode)
+        if self.episodes.lost > lost_before:
+            self.log.info(f"{self.episodes.lost - lost_before} learner games ended faster than they were read and "
+                          f"are missing from this log and results.txt ({self.episodes.lost} in all)")
         if self.adjuster is not None and self._ctx is not None and not self.run.stop.is_set():
             self._start_pending_agents()
             trained = self.trained_steps()

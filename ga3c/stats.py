@@ -141,8 +141,9 @@ class EpisodeLog:
     how many it has finished (one writer each).
 
     ``read_new()`` (in the one process that reports) returns every game finished since its last call, oldest
-    first; a reader that fell more than ``capacity`` games behind on an agent skips the lost ones and counts them
-    in ``lost``.
+    first; a reader that fell ``capacity`` games or more behind on an agent reads only the newest ``capacity - 1``
+    (the oldest slot is the one the agent's next game is written into, perhaps at that moment) and counts the
+    others in ``lost``.
     """
 
     def __init__(self, max_agents: int, capacity: int = 64):
@@ -164,9 +165,9 @@ class EpisodeLog:
         out = []
         for a, n in enumerate(counts):
             start = self._cursors[a]
-            if n - start > cap:
-                self.lost += n - start - cap
-                start = n - cap
+            if n - start > cap - 1:
+                self.lost += n - start - (cap - 1)
+                start = n - (cap - 1)
             for k in range(start, n):
                 t, score, length, slot = self.records[a, k % cap].tolist()
                 out.append(Episode(t, score, int(length), int(slot)))

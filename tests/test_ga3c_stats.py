@@ -80,6 +80,28 @@ def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_th
     assert scalars["charts/updates_per_s"] == pytest.approx(2.5) and "updates 6,025 (2.5/s)" in line, line
 
 
+def test_a_ga3c_run_says_how_many_learner_games_it_could_not_read(tmp_path):
+    from config import build_parser
+    from ga3c.run import Ga3cRun
+    from model import A3Clstm
+
+    class Lines(list):
+        info = list.append
+
+    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "2",
+                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
+    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=Lines())
+    cap = run.episodes.records.shape[1]
+    for k in range(cap + 6):  # between two reads: the newest cap - 1 are read, 7 are not
+        run.episodes.record(0, -21.0, 800, when=1000.0 + k)
+    run.tick(2000.0)
+    assert len(run.log) == cap  # cap - 1 game lines and one line for the rest
+    assert run.log[-1] == ("7 learner games ended faster than they were read and are missing from this log and "
+                           "results.txt (7 in all)")
+    run.tick(2001.0)
+    assert len(run.log) == cap  # nothing new: nothing said
+
+
 def test_counters_are_exact_sums_and_the_version_is_the_update_count():
     c = Ga3cCounters(max_agents=3, max_predictors=2, max_trainers=2)
     c.restore(steps=1000, updates=10)  # a resumed run
@@ -101,9 +123,15 @@ def test_episode_log_reads_every_game_once_in_time_order():
     log.record(0, 1.0, 10, when=3.0)
     assert log.read_new() == [Episode(3.0, 1.0, 10), Episode(5.0, 2.0, 20)]
     assert log.read_new() == []
-    for k in range(5):  # more than the ring holds between two reads: the 2 oldest are lost, and counted
-        log.record(0, float(k), k, when=10.0 + k)
-    assert [e.score for e in log.read_new()] == [2.0, 3.0, 4.0] and log.lost == 2
+    for k in range(5):  # more than the ring holds between two reads: only the newest capacity - 1 are read (the
+        log.record(0, float(k), k, when=10.0 + k)  # oldest slot is where the next game is written), 3 lost, counted
+    assert [e.score for e in log.read_new()] == [3.0, 4.0] and log.lost == 3
+    for k in range(3):  # exactly capacity behind: the same
+        log.record(0, float(k), k, when=15.0 + k)
+    assert [e.score for e in log.read_new()] == [1.0, 2.0] and log.lost == 4
+    log.record(0, 9.0, 9, when=19.0)
+    log.record(0, 8.0, 8, when=19.5)  # capacity - 1 behind: all read
+    assert [e.score for e in log.read_new()] == [9.0, 8.0] and log.lost == 4
     log.record(1, -3.0, 30, when=20.0, slot=5)  # the env slot that played it comes back with the game
     assert log.read_new() == [Episode(20.0, -3.0, 30, 5)]
 
