@@ -55,17 +55,22 @@ def test_a_resumed_console_counts_only_its_own_steps_and_updates_and_goes_on_num
         10, 301, -20.0, -20.0, 800 / 10, 200, 2, 2, 1, 2)
 
 
-def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_the_game_count(tmp_path):
+class _Lines(list):
+    info = list.append
+
+
+def small_ga3c_run(tmp_path):
+    """A ``Ga3cRun`` of 1 agent x 2 envs whose log is a list of its lines (nothing launched)."""
     from config import build_parser
     from ga3c.run import Ga3cRun
     from model import A3Clstm
-
-    class Lines(list):
-        info = list.append
-
     args = build_parser().parse_args(["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "2",
                                       "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
-    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=Lines())
+    return Ga3cRun(args, A3Clstm(1, 6, 32), None, log=_Lines())
+
+
+def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_the_game_count(tmp_path):
+    run = small_ga3c_run(tmp_path)
     run.restore({"global_steps": 500_000, "ga3c_updates": 6_000, "ga3c_episodes": 300})
     run.console.restart_clock(1000.0)  # what launch() does as the processes start
     run.counters.add_steps(0, 2_000)
@@ -81,16 +86,7 @@ def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_th
 
 
 def test_a_ga3c_run_says_how_many_learner_games_it_could_not_read(tmp_path):
-    from config import build_parser
-    from ga3c.run import Ga3cRun
-    from model import A3Clstm
-
-    class Lines(list):
-        info = list.append
-
-    args = build_parser().parse_args(["--mode", "ga3c", "--agents", "1", "--envs-per-agent", "2",
-                                      "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path)])
-    run = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=Lines())
+    run = small_ga3c_run(tmp_path)
     cap = run.episodes.records.shape[1]
     for k in range(cap + 6):  # between two reads: the newest cap - 1 are read, 7 are not
         run.episodes.record(0, -21.0, 800, when=1000.0 + k)
