@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ga3c.buffers import Backoff, EnvSlots
+from ga3c.buffers import ACQUIRE, Backoff, EnvSlots, fence
 from run_state import AnyOf
 
 
@@ -140,10 +140,16 @@ class EnvRunner:
         backoff = Backoff()
         while self.buffers.req_seq[self.slot] != self.buffers.resp_seq[self.slot] and time.monotonic() < deadline:
             backoff.wait()
+        fence(ACQUIRE)  # the slot is written after the answer was seen (the predictor's copy of it is done)
         self.seq = self.buffers.submit(self.slot, obs, episode_start=True)
 
     def answered(self) -> bool:
-        return int(self.buffers.resp_seq[self.slot]) == self.seq
+        """Whether the answer to this slot's last request is there; once it is, an acquire fence orders what the
+        agent does next (reading the action, or writing the slot again) after the predictor's writes and reads."""
+        if int(self.buffers.resp_seq[self.slot]) != self.seq:
+            return False
+        fence(ACQUIRE)
+        return True
 
     def on_response(self) -> tuple[int, tuple[float, int] | None]:
         """Act on the answer and post the next request. Returns ``(agent steps taken (0 or 1), the finished game's
@@ -210,6 +216,8 @@ class AgentStepper:
         resp = self.buffers.resp_seq.numpy()[self._slots_np]
         expected = np.fromiter((r.seq for r in self.runners), dtype=np.int64, count=len(self.runners))
         ready = np.flatnonzero(resp == expected).tolist()
+        if ready:
+            fence(ACQUIRE)  # what follows (the action read, the slot written again) after the answers seen
         steps = 0
         for i in ready:
             n, finished = self.runners[i].on_response()

@@ -28,8 +28,10 @@ visible to another core in another order, and satisfy its loads out of order; a 
 new ``req_seq`` with a torn or old observation. The fences (``fence``: C11 ``atomic_thread_fence`` from
 libatomic, through ctypes, about 0.3 us a call) forbid that: a release fence keeps every earlier load and store
 before the counter store that follows it, an acquire fence every later load and store after the counter load
-that precedes it. Reading ``action``, ``mu`` or ``version`` (properties) issues the agent's acquire fence, so
-the agent's loop needs no call of its own. On x86-64, whose loads and stores are already ordered this way, the
+that precedes it. Reading ``action``, ``mu`` or ``version`` (properties) issues an acquire fence; the agent
+also issues one as soon as it sees a slot answered (``EnvRunner.answered``, ``AgentStepper.poll``, and before a
+slot is taken over in ``EnvRunner.begin``), since the answer to a ``final`` request is followed by a new request
+with no action read. On x86-64, whose loads and stores are already ordered this way, the
 fences compile to nothing and only the call is paid. The counters themselves are aligned 8-byte stores and
 loads, single-copy atomic on x86-64 and aarch64. Where libatomic cannot be loaded, x86-64 needs nothing and
 runs; any other CPU refuses to build env slots (``ordering_problem`` says why in one line) rather than run

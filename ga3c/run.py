@@ -28,7 +28,7 @@ from pathlib import Path
 
 import lifeline
 from ga3c.agent import AtariEnvFactory, agent_process
-from ga3c.buffers import EnvSlots
+from ga3c.buffers import ACQUIRE, EnvSlots, fence
 from ga3c.dynamic import DynamicAdjuster
 from ga3c.server import ga3c_devices, server_process
 from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter, ScoresById
@@ -166,7 +166,9 @@ class Ga3cRun(Mode):
     # ---- what the main process does while the run goes on --------------------------------------------------------
     def tick(self, now: float) -> None:
         lost_before = self.episodes.lost
-        for episode in self.episodes.read_new():
+        new = self.episodes.read_new()
+        self.console.episodes += self.episodes.lost - lost_before  # games not read were played: counted, and saved
+        for episode in new:
             self.console.add(episode)
             if self.scores_by_id is not None and episode.slot >= 0:
                 self.scores_by_id.add(self._slot_env.env_id_of(episode.slot), episode.score)
@@ -234,9 +236,11 @@ class Ga3cRun(Mode):
 
     def status(self, rate: float, span: float) -> tuple[str, dict]:
         """The status line and its TensorBoard scalars, for the stretch since the last call."""
-        lag_mean, lag_max, _ = self.counters.lag_summary(self._status_hist)
-        self._status_hist = self.counters.lag_hist.sum(0).clone()
+        hist = self.counters.lag_snapshot()  # read once: the end of this stretch and the start of the next
+        lag_mean, lag_max, _ = self.counters.lag_summary(self._status_hist, hist)
+        self._status_hist = hist
         updates, trained = self.counters.version, self.trained_steps()
+        fence(ACQUIRE)  # the trainers' statistics are read after the update counts (record_update's release fence)
         ups = (updates - self._status_updates) / max(span, 1e-9)
         tps = (trained - self._status_trained) / max(span, 1e-9)
         self._status_updates, self._status_trained = updates, trained

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from checkpoint import write_errors
+from ga3c.buffers import ACQUIRE, RELEASE, fence
 from utils import close_quietly
 
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
@@ -85,6 +86,7 @@ class Ga3cCounters:
         row[2], row[3] = lag_mean, lag_max
         for i, v in zip((4, 5, 6, 7), (policy, value, entropy, grad_norm)):
             row[i] = v if first else EMA * row[i].item() + (1 - EMA) * v
+        fence(RELEASE)
         self.updates[trainer] += 1  # last: the version moves once the statistics are in
 
     def set_active(self, trainers: int, predictors: int, agents: int) -> None:
@@ -98,11 +100,17 @@ class Ga3cCounters:
         self.updates[-1] = int(updates)
 
     # readers
-    def lag_summary(self, since: torch.Tensor | None = None) -> tuple[float, int, int]:
-        """``(mean, max, transitions)`` of the policy lag of every transition trained since the histogram
-        ``since`` (a clone of ``lag_hist.sum(0)`` taken earlier; None: since the start). Mean and max are 0 when
-        nothing was trained."""
-        hist = self.lag_hist.sum(0)
+    def lag_snapshot(self) -> torch.Tensor:
+        """The histogram of every transition's policy lag so far, over all trainers (a copy, for ``lag_summary``)."""
+        return self.lag_hist.sum(0).clone()
+
+    def lag_summary(self, since: torch.Tensor | None = None,
+                    until: torch.Tensor | None = None) -> tuple[float, int, int]:
+        """``(mean, max, transitions)`` of the policy lag of every transition trained between the histograms
+        ``since`` and ``until`` (``lag_snapshot``s; None: the start, and now). A caller that reports stretch after
+        stretch passes the same snapshot as one stretch's ``until`` and the next one's ``since``, so that an update
+        landing between two reads is in exactly one stretch. Mean and max are 0 when nothing was trained."""
+        hist = self.lag_snapshot() if until is None else until
         if since is not None:
             hist = hist - since
         n = int(hist.sum())
@@ -157,11 +165,13 @@ class EpisodeLog:
         cap = self.records.shape[1]
         self.records[agent, n % cap] = torch.tensor([time.time() if when is None else when, score, length, slot],
                                                     dtype=torch.float64)
+        fence(RELEASE)
         self.counts[agent] = n + 1  # last: the record is complete before it is counted
 
     def read_new(self) -> list[Episode]:
         cap = self.records.shape[1]
         counts = self.counts.tolist()
+        fence(ACQUIRE)  # the records counted are read after their counts (record's release fence)
         out = []
         for a, n in enumerate(counts):
             start = self._cursors[a]
@@ -278,8 +288,9 @@ class ResultsWriter:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        with write_errors(self.path):  # a file that cannot be opened is one line (CheckpointWriteError)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, episode: Episode) -> None:
         """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""

@@ -365,6 +365,47 @@ def test_an_agent_taking_a_slot_over_writes_it_only_once_the_last_request_is_ans
     assert unanswered.seq == int(buffers.req_seq[0]) == 3
 
 
+def test_an_agent_fences_after_each_answer_it_sees_before_it_writes_its_slot_again(monkeypatch):
+    """On a weakly ordered CPU the agent's next writes to a slot must come after the predictor's copy of the last
+    request: an acquire fence once the answer is seen, before every request but the very first, on every path
+    (a step's answer, the answer to a ``final`` request, which reads no action, and a slot taken over)."""
+    import ga3c.agent
+    import ga3c.buffers
+    torch.manual_seed(5)
+    buffers, _, pred, _, _ = make(A3Clstm(1, A, H), 1, num_steps=5)
+    orders, agent_side = [], [False]
+
+    def record(order):
+        if agent_side[0]:
+            orders.append(order)
+    monkeypatch.setattr(ga3c.agent, "fence", record, raising=False)
+    monkeypatch.setattr(ga3c.buffers, "fence", record)
+    env = ScriptEnv(0, [(2, "trunc"), (3, "term")])
+    stepper = AgentStepper(0, [EnvRunner(0, env, buffers)], buffers)
+    agent_side[0] = True
+    stepper.begin()
+    agent_side[0] = False
+    for _ in range(8):
+        pred.step()
+        agent_side[0] = True
+        assert stepper.poll() == 1
+        agent_side[0] = False
+    assert len(env.episodes) == 3 and env.episodes[0]["end"] == "trunc"  # a final request was answered
+    releases = [i for i, o in enumerate(orders) if o == ga3c.buffers.RELEASE]
+    assert len(releases) == 9  # begin's request and one per answer
+    for start, end in zip([-1] + releases, releases):
+        assert ga3c.buffers.ACQUIRE in orders[start + 1:end], (start, end, orders)
+    taken_over = EnvRunner(0, ScriptEnv(1, []), buffers)  # its slot's last request is answered
+    pred.step()
+    orders.clear()
+    agent_side[0] = True
+    taken_over.begin()
+    assert orders == [ga3c.buffers.ACQUIRE, ga3c.buffers.RELEASE]
+    pred.step()
+    orders.clear()
+    assert taken_over.answered() and orders == [ga3c.buffers.ACQUIRE]
+
+
 def test_a_lost_life_starts_the_slots_state_from_zero_and_the_game_goes_on(env_config):
     from environment import atari_env, load_env_config
     env = atari_env("BreakoutNoFrameskip-v4", load_env_config(env_config, "BreakoutNoFrameskip-v4"),

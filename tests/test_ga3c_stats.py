@@ -4,6 +4,7 @@ import re
 from datetime import datetime
 
 import pytest
+import torch
 
 from ga3c.settings import Ga3cSettings
 from ga3c.stats import (ConsoleStats, Episode, EpisodeLog, Ga3cCounters, ResultsWriter, ScoresById, format_stats_line,
@@ -96,6 +97,69 @@ def test_a_ga3c_run_says_how_many_learner_games_it_could_not_read(tmp_path):
                            "results.txt (7 in all)")
     run.tick(2001.0)
     assert len(run.log) == cap  # nothing new: nothing said
+    # the games not read were played: the numbering goes on past them and the checkpoint counts them
+    assert run.console.episodes == cap + 6 and run.snapshot()["ga3c_episodes"] == cap + 6
+    assert re.search(rf"\[Episode: +{cap + 6} Score", run.log[-2]), run.log[-2]  # the last game read
+
+
+def test_each_status_stretch_counts_an_update_that_lands_while_it_is_read_exactly_once(tmp_path):
+    """The trainers add to the lag histogram at any moment: one landing while the status line is made is in that
+    stretch or the next, never in neither (the histogram read once per stretch)."""
+    run = small_ga3c_run(tmp_path)
+    counters = run.counters
+    real = counters.lag_summary
+
+    def update_lands(*args, **kwargs):  # a trainer's update of 20 transitions at lag 5, while the status reads
+        counters.record_update(0, steps=20, segments=1, lag_mean=5.0, lag_max=5, policy=0.0, value=0.0,
+                               entropy=1.0, grad_norm=1.0, lags=torch.full((20,), 5))
+        return real(*args, **kwargs)
+
+    counters.record_update(0, steps=20, segments=1, lag_mean=1.0, lag_max=1, policy=0.0, value=0.0, entropy=1.0,
+                           grad_norm=1.0, lags=torch.ones(20))
+    counters.lag_summary = update_lands
+    first, _ = run.status(rate=100.0, span=1.0)
+    counters.lag_summary = real
+    second, scalars = run.status(rate=100.0, span=1.0)
+    assert "policy lag mean 1.00 max 1" in first, first  # the stretch up to its read
+    assert "policy lag mean 5.00 max 5" in second and scalars["charts/policy_lag_max"] == 5, second
+    third, _ = run.status(rate=100.0, span=1.0)
+    assert "policy lag mean 0.00 max 0" in third, third  # nothing since
+
+
+def test_the_game_log_and_the_update_counts_are_published_and_read_across_a_fence(monkeypatch):
+    """A count is stored after a release fence (the game or the statistics it counts are in) and loaded before
+    an acquire fence (what it counts is read after): the order a weakly ordered CPU needs. A fence that writes
+    shows which stores came before it and which loads come after it."""
+    import ga3c.stats as module
+    log = EpisodeLog(max_agents=1, capacity=4)
+    seen = []
+    monkeypatch.setattr(module, "fence", lambda order: seen.append(
+        (order, int(log.counts[0]), float(log.records[0, 0, 1]))))
+    log.record(0, 7.0, 70, when=1.0)
+    assert seen == [(module.RELEASE, 0, 7.0)]  # the record in, its count not yet
+
+    def a_game_lands(order):  # between the reader's count load and its record loads
+        seen.append(order)
+        log.records[0, 0, 1] = 8.0
+    seen.clear()
+    monkeypatch.setattr(module, "fence", a_game_lands)
+    assert [e.score for e in log.read_new()] == [8.0] and seen == [module.ACQUIRE]  # records loaded after it
+
+    c = Ga3cCounters(max_agents=1, max_predictors=1, max_trainers=1)
+    seen.clear()
+    monkeypatch.setattr(module, "fence", lambda order: seen.append(
+        (order, int(c.updates[0]), float(c.trainer_stats[0, 0]))))
+    c.record_update(0, steps=20, segments=1, lag_mean=0.0, lag_max=0, policy=0.0, value=0.0, entropy=1.0,
+                    grad_norm=1.0)
+    assert seen == [(module.RELEASE, 0, 20.0)]  # the statistics in, the update not yet counted
+
+
+def test_a_results_file_that_cannot_be_opened_is_one_line(tmp_path):
+    from checkpoint import CheckpointWriteError
+    (tmp_path / "results.txt").mkdir()
+    with pytest.raises(CheckpointWriteError) as e:
+        ResultsWriter(tmp_path / "results.txt")
+    assert "results.txt" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_counters_are_exact_sums_and_the_version_is_the_update_count():
