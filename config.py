@@ -34,6 +34,10 @@ def resolve_env_config(path: str) -> str:
 
 SEED_LIMIT = 2**32  # seeds run from 0 to SEED_LIMIT - 1 (gymnasium refuses negative ones)
 STEP_COUNT_LIMIT = 2**63  # step counts are int64 in the counters and refused from here on in a checkpoint
+# the most of each size a run is built with: far beyond any useful run, and below what would fail to allocate (a
+# traceback) or spawn processes until the machine runs out of memory
+SIZE_LIMITS = {"hidden_size": 8192, "score_window": 1_000_000, "workers": 1024, "agents": 1024,
+               "envs_per_agent": 1024, "predictors": 1024, "trainers": 1024}
 STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema_steps", "test_every_steps",
                     "confirm_every_steps")
 
@@ -56,7 +60,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
                         "emulator one frame at a time with the id's own skip (fixed, or a random 2-4) and show the max "
                         "over the step's last frames (up to 3), as for NoFrameskip ids; the same game, an "
                         f"observation that shows motion (default: {see_skipped_default})")
-    p.add_argument("--hidden-size", "-hs", type=int, default=512, help="LSTM hidden size (default: %(default)s)")
+    p.add_argument("--hidden-size", "-hs", type=int, default=512,
+                   help="LSTM hidden size, at most 8192 (default: %(default)s)")
     p.add_argument("--seed", "-s", type=int, default=1, help=f"{seed_help} (default: %(default)s)")
     p.add_argument("--log-dir", log_dir_short, default=None, help=log_dir_help)
 
@@ -93,7 +98,7 @@ class TrainParser(Parser):
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)  # --help and usage errors exit here
         # once more with a marker for the defaults of the flags that belong to one mode: which of them were given
-        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS
+        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps",)
         defaults = {d: self.get_default(d) for d in watched}
         self.set_defaults(**dict.fromkeys(watched, _NOT_GIVEN))
         try:
@@ -137,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", "-ld", action=BoolFlag, default=False,
                    help="resume from <load-model-dir>/<env>.ckpt, else start from <env>.dat")
     p.add_argument("--save-max", "-sm", action=BoolFlag, default=False,
-                   help="write <env>.dat only when a test game scores >= the best so far")
+                   help="write <env>.dat only when a test game scores >= the best so far, which starts at 0 as "
+                        "upstream's (so no .dat until a game scores 0 or more)")
     p.add_argument("--optimizer", "-o", default="Adam", choices=["Adam", "RMSprop"],
                    help="shared optimizer (default: %(default)s)")
     p.add_argument("--load-model-dir", "-lmd", default=None,
@@ -169,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this many seconds; 0 = no limit")
     p.add_argument("--target-score", type=float, default=None,
                    help="stop when the monitor's mean over the last --score-window games reaches this")
-    p.add_argument("--score-window", type=int, default=10, help="games in the monitor's mean (default: %(default)s)")
+    p.add_argument("--score-window", type=int, default=10,
+                   help="games in the monitor's mean, at most 1,000,000 (default: %(default)s)")
     p.add_argument("--max-grad-norm", type=float, default=0.0,
                    help="clip each update's gradient to this L2 norm; 0 = off, upstream (default: %(default)s)")
     p.add_argument("--ema-steps", type=int, default=0, metavar="N",
@@ -177,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "time constant of N global agent steps (updated after every optimizer step; training goes "
                         "on with the latest weights); 0 = the latest weights, upstream (default: %(default)s)")
     p.add_argument("--test-every-steps", type=int, default=20000,
-                   help="the monitor starts a test game every this many global steps (default: %(default)s)")
+                   help="the monitor starts a test game every this many global steps; 0 = no step cadence (with "
+                        "--test-every-seconds 0 too: one game after another) (default: %(default)s)")
     p.add_argument("--test-every-seconds", type=float, default=0,
                    help="... or this many seconds after the last one ended, whichever comes first; 0 = off")
     p.add_argument("--confirm-every-steps", type=int, default=5000, metavar="N",
@@ -347,7 +355,21 @@ def validate_common(args: argparse.Namespace) -> list[str]:
     for name, low in (("max_episode_length", 1), ("skip_rate", 1), ("hidden_size", 1)):
         if getattr(args, name) < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    errors += size_problems(args, ("hidden_size",))
     return errors
+
+
+def size_problems(args: argparse.Namespace, names) -> list[str]:
+    """One line for each of ``names`` above its ``SIZE_LIMITS`` bound."""
+    return [f"--{name.replace('_', '-')} must be at most {SIZE_LIMITS[name]:,}, got {value:,}"
+            for name in names if (value := getattr(args, name, None)) is not None and value > SIZE_LIMITS[name]]
+
+
+def empty_path_problems(args: argparse.Namespace, names) -> list[str]:
+    """One line for each folder flag of ``names`` given as an empty (or blank) string, which would mean the
+    current folder."""
+    return [f"--{name.replace('_', '-')} is empty: give a folder (use . for the current one)"
+            for name in names if isinstance(getattr(args, name, None), str) and not getattr(args, name).strip()]
 
 
 def validate_gpu_ids(gpu_ids: list[int], flag: str = "--gpu-ids", machine: bool = True) -> list[str]:
@@ -383,11 +405,17 @@ def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the training configuration, each as one line (empty when all is well)."""
     if args.log_dir is None:  # before validate_common, whose default (evaluation's) has no mode in it
         args.log_dir = str(Path("logs") / run_folder_name(args))
+    empty = empty_path_problems(args, ("save_model_dir", "log_dir", "load_model_dir"))
+    if empty:  # Path('') is the current folder: every check below would pass on it
+        return empty
     errors = validate_common(args)
     if args.save_model_dir is None:
         args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
         args.load_model_dir = args.save_model_dir
+    elif not args.load and Path(args.load_model_dir).resolve() != Path(args.save_model_dir).resolve():
+        errors.append(f"--load-model-dir {args.load_model_dir} is where --load looks for the run to resume or the "
+                      f"model to start from, and --load is not given: add --load, or leave --load-model-dir out")
     # nan compares false with every bound below and inf passes some: one line for each, this one, not theirs
     not_finite = [name for name, value in vars(args).items() if isinstance(value, float) and not math.isfinite(value)]
     errors += [f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}" for name in not_finite]
@@ -420,6 +448,8 @@ def validate(args: argparse.Namespace) -> list[str]:
          f"--checkpoint-every-seconds must be > 0, got {args.checkpoint_every_seconds}"),
     ]
     errors += [msg for ok, msg in checks if not ok and not (skip and msg.startswith(skip))]
+    errors += size_problems(args, ("score_window", "workers", "agents", "envs_per_agent", "predictors", "trainers"))
+    errors += confirm_problems(args)
     errors += [f"--{name.replace('_', '-')} must be < 2**63 (a step count the checkpoint holds), got {value}"
                for name in STEP_COUNT_FLAGS if (value := getattr(args, name)) >= STEP_COUNT_LIMIT]
     if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
@@ -435,9 +465,36 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors += validate_gpu_ids(args.gpu_ids, machine=args.ray_address in (None, "local"))
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
     errors += validate_dir(args.log_dir, "--log-dir")
+    errors += log_file_problems(args)
     if not any("--gpu-ids" in e for e in errors):
         errors += validate_precision(args)
     return errors
+
+
+def confirm_problems(args: argparse.Namespace) -> list[str]:
+    """A ``--confirm-every-steps`` given where it would change nothing: without ``--target-score`` (it confirms a
+    target), or not sooner than a step cadence ``--test-every-steps`` that is on."""
+    if "confirm_every_steps" not in getattr(args, "_given", ()) or args.confirm_every_steps == 0:
+        return []
+    if args.target_score is None:
+        return [f"--confirm-every-steps {args.confirm_every_steps}: the monitor confirms --target-score this often "
+                f"once a game reaches it, and no --target-score is given: add one, or leave the flag out"]
+    if 0 < args.test_every_steps <= args.confirm_every_steps:
+        return [f"--confirm-every-steps {args.confirm_every_steps} is not sooner than --test-every-steps "
+                f"{args.test_every_steps}, so it would change nothing: give a smaller one, or leave it out"]
+    return []
+
+
+def log_file_problems(args: argparse.Namespace) -> list[str]:
+    """A folder where the run writes one of its log files in ``--log-dir`` (the train log, upstream's game log,
+    the monitor CSV, and in GA3C mode results.txt): every write there would fail after the run started."""
+    from test import csv_path, log_path  # here: test imports config
+    folder = Path(args.log_dir)
+    files = [folder / f"{safe_name(args.env)}_train.log", log_path(folder, args.env), csv_path(folder, args.env)]
+    if args.mode == "ga3c" and args.ray_address is None:
+        files.append(folder / "results.txt")
+    return [f"{path} is a folder where this run writes its log file: move it away, or pass --log-dir DIR with "
+            f"another folder" for path in files if path.is_dir()][:1]
 
 
 def learner_envs(args: argparse.Namespace) -> tuple[int, str]:

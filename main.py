@@ -31,8 +31,10 @@ elif __name__ == "__main__":
     STOP = lifeline.StopSignals("main.py").install()  # armed by main() once it has something to stop
 
 import logging  # noqa: E402
+import math  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -117,6 +119,35 @@ def take_locks(args: Namespace) -> list[RunLock]:
     return locks
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed (Python's MemoryError, or torch's allocator error)."""
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)
+
+
+def first_line(e: BaseException) -> str:
+    """The gist of ``e`` in one line, without the ``[enforce fail at ...] err == 0.`` that starts torch's allocator
+    error."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[enforce fail[^\]]*\]\s*(err == 0\.\s*)?", "", text)
+
+
+def checkpoint_games(ckpt: dict) -> tuple[int, float]:
+    """The checkpoint's monitor games and the sum of their scores (none in a checkpoint without them)."""
+    monitor = ckpt.get("monitor")
+    return (0, 0.0) if monitor is None else (int(monitor[0].item()), float(monitor[1].item()))
+
+
+def monitor_csv_is_the_checkpoints(scores: list[float], ckpt: dict, log_dir: str) -> bool:
+    """Whether the monitor CSV in ``log_dir``, whose games scored ``scores``, can be the one of the run that wrote
+    ``ckpt``: it is in the log folder that run used, or its first games are the checkpoint's (as many, with the
+    same sum of scores; games after the checkpoint's are those of a run killed before its next one)."""
+    saved = (ckpt.get("config") or {}).get("log_dir")
+    if isinstance(saved, str) and saved and Path(saved).resolve() == Path(log_dir).resolve():
+        return True
+    count, total = checkpoint_games(ckpt)
+    return len(scores) >= count and math.isclose(sum(scores[:count]), total, rel_tol=1e-9, abs_tol=1e-6)
+
+
 def resume_problems(ckpt: dict, path: Path, args: Namespace, n_actions: int) -> list[str]:
     """Why the checkpoint at ``path`` cannot be resumed with these flags, found before anything is written: its
     optimizer statistics, where this run would load them, do not fit the model."""
@@ -141,8 +172,8 @@ def target_met_line(ckpt: dict, args: Namespace) -> str:
     if args.target_score is None or len(recent) < args.score_window or sum(recent) / len(recent) < args.target_score:
         return ""
     return (f"the checkpoint's last {len(recent)} monitor games already average {sum(recent) / len(recent):.2f}, at "
-            f"--target-score {args.target_score:g}: this run stops after its first monitor game (to train on, "
-            f"resume with a higher --target-score, or none)")
+            f"--target-score {args.target_score:g}: this run stops after its first monitor game if the mean stays "
+            f"there (to train on, resume with a higher --target-score, or none)")
 
 
 BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
@@ -386,8 +417,13 @@ def main(argv: list[str] | None = None) -> int:
             fail(resume_problems(resume_ckpt, resume_path, args, n_actions))
     same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
     problems = []
-    games = logged_scores(csv_path(args.log_dir, args.env)) if not (args.load and same_dir) else []
-    if games:
+    games = logged_scores(csv_path(args.log_dir, args.env))
+    if args.load and same_dir and resume_ckpt is not None and games and not monitor_csv_is_the_checkpoints(
+            games, resume_ckpt, args.log_dir):
+        problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) that are not "
+                        f"{resume_path}'s first {checkpoint_games(resume_ckpt)[0]:,} (another run's), and this run "
+                        f"would add its own to them: pass --log-dir DIR with this run's log folder, or another one")
+    elif not (args.load and same_dir) and games:
         how = ("pass --log-dir DIR with another folder, since this run resumes from --load-model-dir "
                f"{args.load_model_dir} into another --save-model-dir" if args.load else
                "to continue that run, pass --load (with its --save-model-dir); to start afresh, pass --log-dir DIR "
@@ -471,26 +507,33 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
 
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
-    torch.manual_seed(args.seed)
-    shared_model = A3Clstm(1, n_actions, args.hidden_size)
-    if resume_sd is not None:
-        shared_model.load_state_dict(resume_sd, strict=True)
-    shared_model.share_memory()
-    optimizer = None
-    if args.shared_optimizer:
-        optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True,
-                                   eps=args.optimizer_eps)
-    mode: Mode
-    if args.ray_address is not None:
-        from multinode.run import RayRun
-        mode = RayRun(args, shared_model, optimizer, log, ray_module, stop)
-    elif args.mode == "ga3c":
-        from ga3c.run import Ga3cRun
-        mode = Ga3cRun(args, shared_model, optimizer, log)
-    else:
-        mode = A3gRun(args, shared_model, optimizer, log)
-    run = mode.run
-    mode.average_model = start_average(args, shared_model, resume_ckpt, resume_path, log)
+    try:  # the shared model, optimizer and run state: a size too large for this machine is one line
+        torch.manual_seed(args.seed)
+        shared_model = A3Clstm(1, n_actions, args.hidden_size)
+        if resume_sd is not None:
+            shared_model.load_state_dict(resume_sd, strict=True)
+        shared_model.share_memory()
+        optimizer = None
+        if args.shared_optimizer:
+            optimizer = make_optimizer(args.optimizer, shared_model.parameters(), args.lr, args.amsgrad, shared=True,
+                                       eps=args.optimizer_eps)
+        mode: Mode
+        if args.ray_address is not None:
+            from multinode.run import RayRun
+            mode = RayRun(args, shared_model, optimizer, log, ray_module, stop)
+        elif args.mode == "ga3c":
+            from ga3c.run import Ga3cRun
+            mode = Ga3cRun(args, shared_model, optimizer, log)
+        else:
+            mode = A3gRun(args, shared_model, optimizer, log)
+        run = mode.run
+        mode.average_model = start_average(args, shared_model, resume_ckpt, resume_path, log)
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        log.info(f"main.py: error: not enough memory on this machine for the run ({first_line(e)}): use a "
+                 f"smaller --hidden-size or --score-window, or fewer processes or env slots")
+        return 2
     elapsed_offset = 0.0
     if resume_ckpt is not None:
         mode.restore(resume_ckpt)

@@ -100,8 +100,11 @@ def open_csv(path: Path):
 def game_interval(args: Namespace, recent: list[float]) -> int:
     """Global steps from the start of one monitor game to the start of the next: ``--confirm-every-steps`` when
     ``--target-score`` is given, one of ``recent`` (the window's known scores) is at least it, and that cadence is
-    on (> 0) and sooner than ``--test-every-steps`` (0 there: no step cadence); else ``--test-every-steps``."""
+    on (> 0) and sooner than ``--test-every-steps`` (0 there: no step cadence); else ``--test-every-steps``. With
+    ``--test-every-steps 0`` and ``--test-every-seconds 0`` games are played back to back: 0, always."""
     every, confirm = args.test_every_steps, args.confirm_every_steps
+    if every == 0 and args.test_every_seconds == 0:
+        return 0
     near = args.target_score is not None and any(s >= args.target_score for s in recent)
     return confirm if near and confirm > 0 and (every == 0 or confirm < every) else every
 

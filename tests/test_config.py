@@ -297,3 +297,59 @@ def test_the_start_up_line_names_the_short_game_slots():
                                                          "(--short-game-slots), not counted as learner games")
     a = parse("--agents", "1", "--envs-per-agent", "4", "--short-game-slots", "1", "--short-game-length", "90")
     assert validate(a) == [] and short_games_line(a).startswith("env slot 0 of 4 plays games cut at 90 agent steps")
+
+
+@pytest.mark.parametrize("flag, limit, extra", [
+    ("--hidden-size", 8192, []), ("--score-window", 1_000_000, []), ("--workers", 1024, []),
+    ("--agents", 1024, ["--mode", "ga3c"]), ("--envs-per-agent", 1024, ["--mode", "ga3c"]),
+    ("--predictors", 1024, ["--mode", "ga3c"]), ("--trainers", 1024, ["--mode", "ga3c"])])
+def test_a_size_beyond_any_useful_run_is_one_line_and_its_bound_is_not(flag, limit, extra, tmp_path):
+    """Sizes that would fail to allocate (a traceback after the locks were taken) or spawn processes until the
+    machine runs out of memory are refused before anything starts; the bound itself is allowed."""
+    where = ["--save-model-dir", str(tmp_path / "m"), "--log-dir", str(tmp_path / "l")]
+    line = f"{flag} must be at most {limit:,}, got {limit + 1:,}"
+    assert line in validate(parse(*extra, flag, str(limit + 1), *where))
+    assert [e for e in validate(parse(*extra, flag, str(limit), *where)) if "at most" in e] == []
+
+
+@pytest.mark.parametrize("flag", ["--save-model-dir", "--log-dir", "--load-model-dir"])
+def test_an_empty_folder_flag_is_refused_not_taken_for_the_current_folder(flag):
+    extra = ["--load"] if flag == "--load-model-dir" else []
+    for value in ("", "  "):
+        assert validate(parse(flag, value, *extra)) == [
+            f"{flag} is empty: give a folder (use . for the current one)"]
+
+
+def test_a_load_model_dir_without_load_is_refused_unless_it_is_the_save_folder(tmp_path):
+    models = str(tmp_path / "models")
+    line = (f"--load-model-dir trained_models/ is where --load looks for the run to resume or the model to start "
+            f"from, and --load is not given: add --load, or leave --load-model-dir out")
+    assert line in validate(parse("--load-model-dir", "trained_models/", "--save-model-dir", models))
+    assert validate(parse("--load-model-dir", "trained_models/", "--save-model-dir", models, "--load")) == []
+    assert validate(parse("--load-model-dir", models, "--save-model-dir", models)) == []  # the default's folder
+
+
+def test_a_confirm_cadence_that_would_change_nothing_is_refused_and_the_default_never_is():
+    line = ("--confirm-every-steps 2000: the monitor confirms --target-score this often once a game reaches it, and "
+            "no --target-score is given: add one, or leave the flag out")
+    assert line in validate(parse("--confirm-every-steps", "2000"))
+    assert validate(parse("--confirm-every-steps", "2000", "--target-score", "20")) == []
+    assert validate(parse("--confirm-every-steps", "0")) == []  # off: nothing to refuse
+    assert ("--confirm-every-steps 20000 is not sooner than --test-every-steps 20000, so it would change nothing: "
+            "give a smaller one, or leave it out") in validate(
+        parse("--confirm-every-steps", "20000", "--target-score", "20"))
+    assert validate(parse("--confirm-every-steps", "20000", "--target-score", "20", "--test-every-steps", "0")) == []
+    for argv in ([], ["--test-every-steps", "4000"], ["--target-score", "20", "--test-every-steps", "4000"]):
+        assert validate(parse(*argv)) == []  # the default (5000) is never refused
+
+
+@pytest.mark.parametrize("name, mode", [("PongNoFrameskip-v4_train.log", "ga3c"), ("PongNoFrameskip-v4_log", "a3g"),
+                                        ("PongNoFrameskip-v4_monitor.csv", "ga3c"), ("results.txt", "ga3c")])
+def test_a_folder_where_the_run_writes_a_log_file_is_refused(name, mode, tmp_path):
+    (tmp_path / name).mkdir()
+    line = (f"{tmp_path / name} is a folder where this run writes its log file: move it away, or pass --log-dir "
+            f"DIR with another folder")
+    assert line in validate(parse("--mode", mode, "--log-dir", str(tmp_path), "--save-model-dir", str(tmp_path / "m")))
+    if name == "results.txt":  # A3G mode writes none
+        assert validate(parse("--mode", "a3g", "--log-dir", str(tmp_path), "--save-model-dir",
+                              str(tmp_path / "m"))) == []

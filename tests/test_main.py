@@ -21,8 +21,7 @@ UPSTREAM_LINE = re.compile(r"^\S+ \S+ : Time \d\dh \d\dm \d\ds, episode reward -
 
 
 def dirs(tmp_path):
-    return ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"),
-            "--load-model-dir", str(tmp_path / "models")]
+    return ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models")]
 
 
 # Stop conditions the tests can rely on whatever the processes' relative speed: the monitor plays a game at start-up,
@@ -510,6 +509,43 @@ def test_a_second_ctrl_c_before_the_run_proper_is_one_line_and_stops_nothing_it_
     RunLock(tmp_path / "models").release()  # the lock was released: another run can take it
 
 
+@pytest.mark.parametrize("failure", [
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 8000000000000 bytes. Error code 12 (Cannot allocate memory)")])
+def test_a_run_too_large_for_the_memory_is_one_line_and_exit_2_with_nothing_started(tmp_path, monkeypatch, capsys,
+                                                                                   failure):
+    """Building the run (the shared model, optimizer and run state, before any process starts) on a machine without
+    the memory for it: one line that says which flags make it smaller, exit 2, the locks released, no checkpoint.
+    Before, a traceback and exit 1. Any other error there is still raised."""
+    import lifeline
+    import main
+
+    def too_large(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(main, "A3gRun", too_large)
+    assert main_in_process(monkeypatch, tmp_path, lifeline.StopSignals("main.py")) == 2
+    out = capsys.readouterr()
+    gist = "MemoryError" if isinstance(failure, MemoryError) else (
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000000 bytes. Error code 12 "
+        "(Cannot allocate memory)")
+    lines = [line for line in (out.out + out.err).splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"main.py: error: not enough memory on this machine for the run ({gist}): use a smaller --hidden-size or "
+        f"--score-window, or fewer processes or env slots"), out
+    assert "Traceback" not in out.out + out.err
+    assert not (tmp_path / "models" / "PongNoFrameskip-v4.ckpt").exists()
+    from checkpoint import RunLock
+    RunLock(tmp_path / "models").release()  # the lock was released: another run can take it
+
+    def a_bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(main, "A3gRun", a_bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main_in_process(monkeypatch, tmp_path / "again", lifeline.StopSignals("main.py"))
+
+
 @pytest.mark.parametrize("error", ["write", "bug"])
 def test_a_failure_of_main_itself_mid_run_ends_it_in_one_line_after_the_final_checkpoint(tmp_path, monkeypatch,
                                                                                           error):
@@ -739,8 +775,32 @@ def test_a_run_stopped_at_its_target_prints_a_resume_command_without_it(tmp_path
     r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--load", cwd=tmp_path)
     assert r.returncode == 0 and "reached --target-score -1000" in r.stdout, r.stderr[-2000:]
     assert re.search(r"the checkpoint's last 2 monitor games already average -?\d+\.\d\d, at --target-score -1000: "
-                     r"this run stops after its first monitor game \(to train on, resume with a higher "
-                     r"--target-score, or none\)", r.stdout), r.stdout
+                     r"this run stops after its first monitor game if the mean stays there \(to train on, resume "
+                     r"with a higher --target-score, or none\)", r.stdout), r.stdout
+    other = tmp_path / "other-logs"  # another run's log folder: a resume into it would add to its curve
+    other.mkdir()
+    (other / "PongNoFrameskip-v4_monitor.csv").write_text(
+        "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+        "1795000000.000,10.0,150,-21.0,800,15.0,-21.0000,\n")
+    r = run_entry("main.py", *TINY, "--save-model-dir", str(tmp_path / "models"), "--log-dir", str(other), "--load", cwd=tmp_path,
+                  timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"main.py: error: {other / 'PongNoFrameskip-v4_monitor.csv'} holds 1 monitor game(s) that are not "
+        f"{tmp_path / 'models' / 'PongNoFrameskip-v4.ckpt'}'s first 3 (another run's), and this run would add its "
+        f"own to them: pass --log-dir DIR with this run's log folder, or another one\n"), r.stderr
+    assert [p.name for p in other.iterdir()] == ["PongNoFrameskip-v4_monitor.csv"]
+
+
+def test_a_monitor_csv_is_the_checkpoints_where_its_run_wrote_it_or_where_its_first_games_are_the_checkpoints():
+    from main import monitor_csv_is_the_checkpoints
+    ckpt = {"monitor": torch.tensor([3.0, -60.0, -19.0]), "config": {"log_dir": "runs/a/logs"}}
+    assert monitor_csv_is_the_checkpoints([1.0], ckpt, "runs/a/logs")  # its own folder: never refused
+    assert monitor_csv_is_the_checkpoints([-21.0, -20.0, -19.0], ckpt, "moved/logs")  # the run's folders moved
+    assert monitor_csv_is_the_checkpoints([-21.0, -20.0, -19.0, 5.0], ckpt, "moved/logs")  # games after the ckpt
+    assert not monitor_csv_is_the_checkpoints([-21.0, -20.0], ckpt, "moved/logs")  # fewer games
+    assert not monitor_csv_is_the_checkpoints([-21.0, -20.0, -18.0], ckpt, "moved/logs")  # other scores
+    # a checkpoint taken before its first game cannot tell: games in the CSV may be its run's, played after it
+    assert monitor_csv_is_the_checkpoints([-21.0], {"config": {}}, "moved/logs")
 
 
 def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_has_games(tmp_path):

@@ -11,8 +11,9 @@ from model import A3Clstm
 from run_state import RunState
 
 
-def cadence(every=20000, confirm=5000, target=20.0):
-    return Namespace(test_every_steps=every, confirm_every_steps=confirm, target_score=target)
+def cadence(every=20000, confirm=5000, target=20.0, seconds=0.0):
+    return Namespace(test_every_steps=every, confirm_every_steps=confirm, target_score=target,
+                     test_every_seconds=seconds)
 
 
 @pytest.mark.parametrize("args, recent, expected", [
@@ -24,8 +25,9 @@ def cadence(every=20000, confirm=5000, target=20.0):
     (cadence(confirm=0), [21.0], 20000),                     # off
     (cadence(confirm=20000), [21.0], 20000),                 # not sooner
     (cadence(confirm=30000), [21.0], 20000),                 # later: the plain cadence stays
-    (cadence(every=0), [21.0], 5000),                        # no step cadence: the confirming one is sooner
-    (cadence(every=0), [0.0], 0),
+    (cadence(every=0, seconds=60), [21.0], 5000),            # no step cadence: the confirming one is sooner
+    (cadence(every=0, seconds=60), [0.0], 0),
+    (cadence(every=0), [21.0], 0),                           # no cadence at all: back to back, nothing sooner
     (cadence(target=-5.0), [float("nan"), -5.0], 5000),      # a game not known (nan) counts for nothing
     (cadence(target=-5.0), [float("nan")], 20000),
 ])
