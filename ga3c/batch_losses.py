@@ -128,11 +128,15 @@ def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tens
     returns = discounted_returns(rewards.detach().cpu(), bootstrap, gamma).to(values.device)
     adv = gae_advantages(rewards.detach().cpu(), values.detach().cpu(), bootstrap, gamma, tau).to(values.device)
     taken = torch.log_softmax(logits, dim=-1).gather(1, actions.view(-1, 1)).squeeze(1)
+    # written out here, not through importance_weights / clipped_surrogate_loss, which the batched loss uses: the
+    # reference must not share the code it checks
+    ratio = torch.exp(taken - torch.log(mu.to(values.device, values.dtype).clamp(min=MU_FLOOR)))  # pi(a) / mu(a)
     if pass_clip is not None:
-        p_loss, _ = clipped_surrogate_loss(taken, mu.to(values.device), adv, pass_clip)
+        unclipped, clipped = ratio * adv, ratio.clamp(1.0 - pass_clip, 1.0 + pass_clip) * adv
+        p_loss = -torch.where(unclipped < clipped, unclipped, clipped).sum()
     else:
-        w = importance_weights(taken, mu.to(values.device), greedy_clip(is_clip) if greedy else is_clip)
-        p_loss = policy_loss(taken, adv * w)
+        w = torch.clamp(ratio.detach(), max=greedy_clip(is_clip) if greedy else is_clip)
+        p_loss = -(taken * (adv * w)).sum()
     ent = entropy(logits).sum()
     v_loss = value_loss(values, returns)
     return A3CLoss(p_loss - entropy_coef * ent + value_coef * v_loss, p_loss, v_loss, ent)

@@ -119,3 +119,15 @@ def test_value_coef_and_entropy_coef_are_honoured():
     assert v.total.item() == pytest.approx(base.policy.item() + 2.0 * base.value.item())
     e = a3c_loss(logits, values, actions, rewards, 0.0, entropy_coef=0.1, value_coef=0.0, **kw)
     assert e.total.item() == pytest.approx(base.policy.item() - 0.1 * base.entropy.item())
+
+
+def test_advantages_are_constants_of_the_policy_and_value_terms():
+    """The docstrings' promise, checked on each function by itself (every caller also passes detached values): GAE
+    treats the values as constants, and the policy term passes no gradient to its advantages."""
+    values = torch.tensor([0.5, -0.2, 0.1], requires_grad=True)
+    adv = gae_advantages(torch.tensor([0.0, 1.0, -1.0]), values, 0.3, 0.99, 0.95)
+    assert not adv.requires_grad
+    advantages = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    log_probs = torch.tensor([-0.1, -1.2, -0.7], requires_grad=True)
+    policy_loss(log_probs, advantages).backward()
+    assert advantages.grad is None and torch.equal(log_probs.grad, torch.tensor([-1.0, 2.0, -0.5]))

@@ -146,6 +146,40 @@ def test_bf16_encoder_keeps_float32_weights_state_and_outputs():
     assert cache.steps[0][0][0].dtype == torch.bfloat16  # the frame itself, as the first conv saw it
 
 
+def test_the_first_conv_blocks_gradient_is_summed_over_its_pieces_in_float32():
+    """The replayed first conv block runs backward in pieces of ``FIRST_BLOCK_CHUNK`` frames, each in the encoder's
+    bf16; the weight and bias gradients are the float32 sum of the pieces. A bf16 sum would round every partial sum
+    to bf16, so each entry would be a bf16 number; the float32 sum of 3 pieces mostly is not (within 0.2% either
+    way, under the update tests' tolerance)."""
+    from model import FIRST_BLOCK_CHUNK, ActivationCache
+    torch.manual_seed(0)
+    model = A3Clstm(1, 6, 32).channels_last().set_precision(torch.bfloat16)
+    frames = torch.rand(3 * FIRST_BLOCK_CHUNK, 1, 80, 80)
+    cache, state = ActivationCache(), model.initial_state(1)
+    with torch.no_grad():
+        for t in range(frames.shape[0]):  # acting, one frame a step, as a worker does
+            _, _, state = model(frames[t: t + 1], state, cache)
+    values, logits = model.unroll(frames, model.initial_state(1), cache)
+    (values.sum() + logits.logsumexp(1).sum()).backward()
+    for grad in (model.conv1.weight.grad, model.conv1.bias.grad, model.conv2.weight.grad):
+        assert grad.dtype == torch.float32
+    for grad in (model.conv1.weight.grad, model.conv1.bias.grad):
+        in_bf16 = torch.eq(grad, grad.bfloat16().float()).float().mean().item()
+        assert in_bf16 < 0.5, f"{in_bf16:.0%} of the entries are bf16 numbers: the pieces were summed in bf16"
+
+
+@pytest.mark.parametrize("capability, index, expected", [
+    ((7, 5), 0, False), ((8, 0), 0, True), ((8, 9), 1, True), ((9, 0), 0, True), ((9, 0), 2, False)])
+def test_a_cuda_device_has_native_bf16_from_compute_capability_8(monkeypatch, capability, index, expected):
+    """Turing (7.5) and older: no; Ampere (8.x), Ada, Hopper (9.0): yes; a device index the machine lacks: no."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
+    assert precision.device_has_native_bf16(torch.device("cuda", index)) is expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precision.device_has_native_bf16(torch.device("cuda", 0)) is False
+
+
 # ---- the production update ----------------------------------------------------------------------------------------
 
 def a3g_case(tmp_path, extra):
