@@ -343,7 +343,10 @@ def validate_common(args: argparse.Namespace) -> list[str]:
         resolve_env_id(args.env)
     except EnvIdError as e:
         errors.append(str(e))
-    if not Path(args.env_config).is_file():
+    if Path(args.env_config).is_dir():
+        errors.append(f"env config '{args.env_config}' is a folder, not the crop table (use --env-config PATH to "
+                      f"its file)")
+    elif not Path(args.env_config).is_file():
         errors.append(f"env config '{args.env_config}' does not exist (use --env-config PATH to the crop table)")
     else:
         try:
@@ -413,6 +416,9 @@ def validate(args: argparse.Namespace) -> list[str]:
         args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
         args.load_model_dir = args.save_model_dir
+    elif args.load and Path(args.load_model_dir).is_file():
+        errors.append(f"--load-model-dir '{args.load_model_dir}' is a file, not a folder: give the folder that holds "
+                      f"<env>.ckpt or <env>.dat")
     elif not args.load and Path(args.load_model_dir).resolve() != Path(args.save_model_dir).resolve():
         errors.append(f"--load-model-dir {args.load_model_dir} is where --load looks for the run to resume or the "
                       f"model to start from, and --load is not given: add --load, or leave --load-model-dir out")

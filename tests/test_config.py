@@ -353,3 +353,11 @@ def test_a_folder_where_the_run_writes_a_log_file_is_refused(name, mode, tmp_pat
     if name == "results.txt":  # A3G mode writes none
         assert validate(parse("--mode", "a3g", "--log-dir", str(tmp_path), "--save-model-dir",
                               str(tmp_path / "m"))) == []
+
+
+def test_a_folder_for_the_crop_table_and_a_file_for_the_load_folder_are_named_as_they_are(tmp_path):
+    assert f"env config '{tmp_path}' is a folder, not the crop table (use --env-config PATH to its file)" in validate(
+        parse("--env-config", str(tmp_path)))
+    (tmp_path / "model.dat").write_bytes(b"x")
+    assert (f"--load-model-dir '{tmp_path / 'model.dat'}' is a file, not a folder: give the folder that holds "
+            f"<env>.ckpt or <env>.dat") in validate(parse("--load", "--load-model-dir", str(tmp_path / "model.dat")))
