@@ -530,7 +530,7 @@ class Listener:
             conn.close()
 
 
-@pytest.mark.parametrize("kind", ["http", "silent"])
+@pytest.mark.parametrize("kind", ["http", pytest.param("silent", marks=pytest.mark.slow)])  # silent: 16 s of timeout
 def test_an_address_where_something_else_answers_is_one_line_and_exit_2_within_bounded_time(tmp_path, kind):
     """A web server (the dashboard's port, say) or a port that accepts and says nothing: ``ray.init`` would retry
     for minutes; the check sees no gRPC and refuses at once (``silent``: after CONNECT_SECONDS)."""

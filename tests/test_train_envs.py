@@ -313,6 +313,7 @@ def test_a_resume_that_changes_what_the_games_show_says_so(tmp_path, saved, flag
     assert errors == [] and (see_skipped_line(args) != "") is bool(flag)
 
 
+@pytest.mark.slow  # 15 s; the flag's wrapper is tested on real ALE in test_environment.py, its line above
 def test_main_trains_with_see_skipped_frames_and_keeps_it_in_the_checkpoint(tmp_path):
     common = ["--log-dir", str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"),
               "--env-config", str(ROOT / "config.json"), "--hidden-size", "32", "--env", "Pong-v0", "--agents", "1",
