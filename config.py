@@ -494,9 +494,9 @@ def confirm_problems(args: argparse.Namespace) -> list[str]:
 def log_file_problems(args: argparse.Namespace) -> list[str]:
     """A folder where the run writes one of its log files in ``--log-dir`` (the train log, upstream's game log,
     the monitor CSV, and in GA3C mode results.txt): every write there would fail after the run started."""
-    from test import csv_path, log_path  # here: test imports config
+    from test import csv_path, log_path, train_log_path  # here: test imports config
     folder = Path(args.log_dir)
-    files = [folder / f"{safe_name(args.env)}_train.log", log_path(folder, args.env), csv_path(folder, args.env)]
+    files = [train_log_path(folder, args.env), log_path(folder, args.env), csv_path(folder, args.env)]
     if args.mode == "ga3c" and args.ray_address is None:
         files.append(folder / "results.txt")
     return [f"{path} is a folder where this run writes its log file: move it away, or pass --log-dir DIR with "

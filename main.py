@@ -58,7 +58,7 @@ from modes import Mode  # noqa: E402
 from run_state import StartError  # noqa: E402
 from schedules import linear_anneal  # noqa: E402
 from shared_optim import make_optimizer  # noqa: E402
-from test import csv_path, logged_scores  # noqa: E402
+from test import csv_path, logged_scores, train_log_path  # noqa: E402
 from utils import safe_name, setup_logger  # noqa: E402
 
 
@@ -500,8 +500,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
     """The run proper, with this run's lock on ``--save-model-dir`` held."""
     stale = remove_stale_temp_files(args.save_model_dir)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    log = setup_logger(f"main.{safe_name(args.env)}", Path(args.log_dir) / f"{safe_name(args.env)}_train.log",
-                       console=True)
+    log = setup_logger(f"main.{safe_name(args.env)}", train_log_path(args.log_dir, args.env), console=True)
     for path in stale:
         log.info(f"removed {path}, a partial write of a run that died while saving")
 

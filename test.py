@@ -46,6 +46,11 @@ def log_path(log_dir: str | Path, env_id: str) -> Path:
     return Path(log_dir) / f"{safe_name(env_id)}_log"
 
 
+def train_log_path(log_dir: str | Path, env_id: str) -> Path:
+    """main.py's own log of a run (its console lines)."""
+    return Path(log_dir) / f"{safe_name(env_id)}_train.log"
+
+
 def logged_scores(path: Path) -> list[float]:
     """The scores of the games in the monitor CSV at ``path``, in order (rows that do not parse, such as one cut
     short by a kill, are skipped); [] without a file."""

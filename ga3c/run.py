@@ -174,11 +174,12 @@ class Ga3cRun(Mode):
                 self.scores_by_id.add(self._slot_env.env_id_of(episode.slot), episode.score)
             nt, np_, na = (int(v) for v in self.counters.active.tolist())
             self.log.info(self.console.line(now, self.run.global_steps.value, self.counters.version, nt, np_, na))
-            if self.results is not None:
-                self.results.write(episode)
         if self.episodes.lost > lost_before:
             self.log.info(f"{self.episodes.lost - lost_before} learner games ended faster than they were read and "
                           f"are missing from this log and results.txt ({self.episodes.lost} in all)")
+        if self.results is not None:  # after the counting and the log: a line that fails leaves no game uncounted
+            for episode in new:
+                self.results.write(episode)
         if self.adjuster is not None and self._ctx is not None and not self.run.stop.is_set():
             self._start_pending_agents()
             trained = self.trained_steps()

@@ -871,6 +871,32 @@ def test_ga3c_closes_its_results_file_even_when_the_last_games_cannot_be_written
     assert closed == [True] and mode.results is None
 
 
+def test_ga3c_counts_every_game_read_even_when_results_txt_fails_on_the_first():
+    """``Ga3cRun.tick`` counts and logs every game it read before it writes their results.txt lines, so a write
+    that fails (the run then ends on it) leaves no game out of the console's count, which the checkpoint saves
+    (before, the games after the failing line were neither counted nor logged)."""
+    from types import SimpleNamespace
+    import numpy as np
+    from checkpoint import CheckpointWriteError
+    from ga3c.run import Ga3cRun
+    from ga3c.stats import ConsoleStats, Episode
+    games = [Episode(1010.0 + i, float(i), 100 + i) for i in range(3)]
+    lines, written = [], []
+
+    def write(episode):
+        written.append(episode)
+        raise CheckpointWriteError("could not write results.txt: the disk is full")
+
+    mode = SimpleNamespace(
+        episodes=SimpleNamespace(lost=0, read_new=lambda: list(games)), console=ConsoleStats(1000.0, episodes=7),
+        scores_by_id=None, counters=SimpleNamespace(active=np.array([2, 1, 2]), version=5),
+        run=SimpleNamespace(global_steps=SimpleNamespace(value=1234)), log=SimpleNamespace(info=lines.append),
+        results=SimpleNamespace(write=write), adjuster=None)
+    with pytest.raises(CheckpointWriteError):
+        Ga3cRun.tick(mode, 1020.0)
+    assert mode.console.episodes == 10 and len(lines) == 3 and written == games[:1]
+
+
 @needs_dev_full
 def test_the_monitor_csv_and_ga3c_results_on_a_full_disk_raise_one_line():
     """The monitor's CSV (its header, or a game's row) and GA3C's results.txt: ``CheckpointWriteError`` naming the
