@@ -540,13 +540,14 @@ class RayRun(Mode):
         prev = self._status_prev
         parts, stats = [], []
         for i, n in enumerate(st["nodes"]):
-            node_rate = 0.0
-            if prev is not None and st["time"] > prev["time"]:
-                node_rate = (n["steps"] - prev["nodes"][i]["steps"]) / (st["time"] - prev["time"])
             ago = ("never synced" if n["last_sync"] is None
                    else f"synced {max(0.0, st['time'] - n['last_sync']):.1f} s ago")
-            parts.append(f"node {i} {node_rate:.0f} steps/s, {ago}")
-            scalars[f"nodes/node{i}_steps_per_s"] = node_rate
+            if prev is not None and st["time"] > prev["time"]:
+                node_rate = (n["steps"] - prev["nodes"][i]["steps"]) / (st["time"] - prev["time"])
+                parts.append(f"node {i} {node_rate:.0f} steps/s, {ago}")
+                scalars[f"nodes/node{i}_steps_per_s"] = node_rate
+            else:  # no earlier report to take a rate from (the first status line): the node's steps so far
+                parts.append(f"node {i} {n['steps']:,} steps, {ago}")
             if n["stats"] is not None:
                 stats.append(n["stats"])
         self._status_prev = st

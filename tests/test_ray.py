@@ -929,3 +929,25 @@ def test_a_worker_that_dies_inside_a_node_ends_the_run(launch, tmp_path):
     assert not ray_processes(run)
     assert CKPT in load_saved(models_dir(tmp_path))  # the parameter server wrote the final checkpoint
 
+
+
+def test_the_first_status_line_gives_each_nodes_steps_not_a_rate_of_zero():
+    """With no earlier parameter-server report there is no rate to take: the first status line says each node's
+    steps so far and logs no per-node rate (it said '0 steps/s' for nodes that had stepped); the next line gives
+    each node's rate over the time between the two reports."""
+    from types import SimpleNamespace
+    from multinode.run import RayRun
+
+    def report(t, steps):
+        return {"time": t, "nodes": [{"steps": s, "last_sync": t - 0.5, "stats": None} for s in steps]}
+
+    mode = SimpleNamespace(run=SimpleNamespace(global_steps=SimpleNamespace(value=7_878)), _status_prev=None,
+                           _ps_status=report(100.0, [3_900, 3_978]))
+    line, scalars = RayRun.status(mode, 131.0, 60.0)
+    assert line == ("steps 7,878 (131 steps/s) | node 0 3,900 steps, synced 0.5 s ago | node 1 3,978 steps, "
+                    "synced 0.5 s ago"), line
+    assert scalars == {"charts/train_steps_per_s": 131.0}
+    mode._ps_status = report(110.0, [5_100, 5_178])
+    line, scalars = RayRun.status(mode, 240.0, 10.0)
+    assert "node 0 120 steps/s, synced 0.5 s ago | node 1 120 steps/s" in line, line
+    assert scalars["nodes/node0_steps_per_s"] == scalars["nodes/node1_steps_per_s"] == 120.0
