@@ -252,7 +252,7 @@ def test_bad_input_is_one_error_line_and_exit_2_before_anything_is_measured_or_w
     ("benchmark.py", ["--workers", "1"], "machine:", 1.5),  # a step-cost measurement in a fresh process
     ("benchmark.py", ["--workers", "1", "--modes-only"], "machine:", 2.0),  # the training processes
     ("budget.py", [], None, 1.5),  # importing torch
-    ("budget.py", [], None, 6.0),  # timing the pieces
+    pytest.param("budget.py", [], None, 6.0, marks=pytest.mark.slow),  # timing the pieces
 ], ids=["benchmark start-up", "benchmark step costs", "benchmark training", "budget start-up", "budget measuring"])
 def test_ctrl_c_exits_130_in_one_line_and_leaves_no_process(tmp_path, script, flags, after_line, delay):
     """SIGINT to the process group (a terminal's Ctrl-C), during the imports or a measurement: exit 130 with one

@@ -109,6 +109,7 @@ def test_a_ga3c_run_trains_writes_upstreams_files_and_either_mode_resumes_the_ot
     assert "1 games, mean" in r.stdout
 
 
+@pytest.mark.slow  # a whole run (5 s); the slots themselves are tested without one
 def test_short_game_slots_in_a_run_are_logged_and_left_out_of_the_learner_games(tmp_path):
     """``--short-game-slots 1 --short-game-length 10`` with whole games cut at 30 agent steps (``COMMON``): the start-up
     log names the slot, and every learner game the run counts (console, results.txt, the checkpoint) is a whole one:
@@ -125,6 +126,7 @@ def test_short_game_slots_in_a_run_are_logged_and_left_out_of_the_learner_games(
     assert ckpt["ga3c_episodes"] == len(lengths) and ckpt["config"]["short_game_slots"] == 1
 
 
+@pytest.mark.slow  # a whole run (5 s); the slots themselves are tested without one
 def test_greedy_slots_in_a_run_are_logged_trained_on_and_left_out_of_the_learner_games(tmp_path):
     """``--greedy-slots 1`` after ``--short-game-slots 1`` (4 env slots): the start-up log names slot 1, the run
     trains and ends, the checkpoint keeps the flag, and the games it counts are results.txt's (which slots count is

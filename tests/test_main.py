@@ -145,7 +145,7 @@ def gone(procs, timeout=10.0):
     return not alive
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
 def test_ctrl_c_and_sigterm_stop_everything(tmp_path, sig, code):
     proc = start_main(tmp_path)
     try:
@@ -765,6 +765,7 @@ def test_a_resume_says_why_the_optimizer_statistics_start_fresh(ckpt, argv, why)
     assert optimizer_not_resumed_line(ckpt, args) == f"optimizer statistics not resumed: {why}"
 
 
+@pytest.mark.slow  # two whole runs (10 s)
 def test_a_run_stopped_at_its_target_prints_a_resume_command_without_it(tmp_path):
     """A run stopped at --target-score prints a resume command without it (its restored games would stop the
     resumed run after one game); the same flags with --load say so and stop after that game."""

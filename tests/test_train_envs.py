@@ -226,7 +226,7 @@ def test_main_trains_on_the_mix_and_says_so(tmp_path):
     assert ckpt["config"]["train_envs"] == MIX and ckpt["global_steps"] >= 150
 
 
-@pytest.mark.parametrize("flags", [[], ["--see-skipped-frames"]])
+@pytest.mark.parametrize("flags", [[], pytest.param(["--see-skipped-frames"], marks=pytest.mark.slow)])
 def test_a_killed_agent_of_a_mixed_run_ends_it_and_its_checkpoint_loads(launch, tmp_path, flags):  # noqa: F811
     """kill -9 of the agent whose slots play the other ids (with ``--see-skipped-frames``, stepped one frame at a
     time): the run ends with nothing left running (the fixture asserts so at teardown), and the last checkpoint
