@@ -930,7 +930,6 @@ def test_a_worker_that_dies_inside_a_node_ends_the_run(launch, tmp_path):
     assert CKPT in load_saved(models_dir(tmp_path))  # the parameter server wrote the final checkpoint
 
 
-
 def test_the_first_status_line_gives_each_nodes_steps_not_a_rate_of_zero():
     """With no earlier parameter-server report there is no rate to take: the first status line says each node's
     steps so far and logs no per-node rate (it said '0 steps/s' for nodes that had stepped); the next line gives
