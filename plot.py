@@ -31,6 +31,7 @@ import csv
 import errno
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -86,10 +87,18 @@ class NoGamesYet(ValueError):
     """A monitor CSV with its header and no game: skipped with a warning when other curves can be drawn."""
 
 
-def read_results(path: Path) -> dict:
-    """GA3C's ``results.txt`` (``YYYY-MM-DD HH:MM:SS, score, length`` per game) as a curve."""
+_RESULTS_PREFIX = re.compile(r"^[0-9: -]*(,[ 0-9.eE+-]*)?$")  # what the start of a results.txt line can hold
+
+
+def read_results(path: Path, warnings: list[str] | None = None) -> dict:
+    """GA3C's ``results.txt`` (``YYYY-MM-DD HH:MM:SS, score, length`` per game) as a curve.
+
+    A line cut short (fewer than three values, each what a line's start can hold: a run killed or out of disk
+    while writing it; the next run's writer ends it) is left out, with a warning; any other line that does not
+    parse is an error naming it. A file without a game raises ``NoGamesYet``."""
     from datetime import datetime
-    steps, score, times = [], [], []
+    warnings = [] if warnings is None else warnings
+    steps, score, times, cut = [], [], [], []
     total = 0
     with open(path, errors="replace") as f:  # a byte that is not UTF-8 makes its line fail below, by number
         for n, line in enumerate(f, 1):
@@ -104,10 +113,16 @@ def read_results(path: Path) -> dict:
                 if not math.isfinite(score[-1]):
                     raise ValueError
             except ValueError:
+                if line.count(",") < 2 and _RESULTS_PREFIX.match(line.strip()):
+                    cut.append(n)
+                    continue
                 raise ValueError(f"{path} line {n} is not a results.txt line (YYYY-MM-DD HH:MM:SS, score, "
                                  f"length): {line.strip()[:80]!r}") from None
+    if cut:
+        warnings.append(f"{path} line{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}: cut short (its run "
+                        f"stopped while writing {'them' if len(cut) > 1 else 'it'}); left out")
     if not steps:
-        raise ValueError(f"{path} has no games")
+        raise NoGamesYet(f"{path} has no games yet (its run has not finished a game)")
     return {"steps": steps, "score": score, "hours": [(t - times[0]) / 3600 for t in times]}
 
 
@@ -123,9 +138,11 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
     when another run from 0 was appended to its file.) Games at equal global steps are kept: a Ray run's steps
     move only at its nodes' syncs.
     """
-    if path.name == "results.txt":
-        return read_results(path)
     warnings = [] if warnings is None else warnings
+    if path.name == "results.txt":
+        return read_results(path, warnings)
+    if path.stat().st_size == 0:  # created, and the header never written (a kill or a full disk right then)
+        raise NoGamesYet(f"{path} has no games yet (an empty file: its run stopped before writing the header)")
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from checkpoint import write_errors
+from utils import close_quietly
 from ga3c.buffers import ACQUIRE, RELEASE, fence
 from utils import close_quietly
 
@@ -284,18 +285,29 @@ def results_line(when: float | datetime, score: float, length: int) -> str:
 
 
 class ResultsWriter:
-    """Appends one ``results_line`` per game to ``path`` (never truncates; flushed per line)."""
+    """Appends one ``results_line`` per game to ``path`` (never truncates; flushed per line). A file whose last
+    line was cut short (a run killed, or out of disk, while writing it) gets that line ended first, so that the
+    next game's line starts a line of its own (``plot.py`` leaves the cut one out)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with write_errors(self.path):  # a file that cannot be opened is one line (CheckpointWriteError)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a+b")
+            try:
+                if self._file.seek(0, 2) > 0:
+                    self._file.seek(-1, 2)
+                    if self._file.read(1) != b"\n":
+                        self._file.write(b"\n")
+                        self._file.flush()
+            except BaseException:
+                close_quietly(self._file)
+                raise
 
     def write(self, episode: Episode) -> None:
         """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""
         with write_errors(self.path):
-            self._file.write(results_line(episode.time, episode.score, episode.length))
+            self._file.write(results_line(episode.time, episode.score, episode.length).encode("utf-8"))
             self._file.flush()
 
     def close(self) -> None:

@@ -193,7 +193,7 @@ def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_
     assert curve["steps"] == [800, 1700] and curve["score"] == [-21.0, -20.0]
     assert curve["hours"] == [0.0, 60 / 3600]
     assert plot.main([str(results), "--out", str(out)]) == 0
-    results.write_text("2026-01-02 03:04:05, -21\n")
+    results.write_text("2026-01-02 03:04:05, -21, many\n")  # not a number of steps (a line cut short: below)
     capsys.readouterr()
     assert plot.main([str(results), "--out", str(out)]) == 2
     assert "line 1 is not a results.txt line" in capsys.readouterr().err
@@ -766,6 +766,52 @@ def test_a_row_cut_short_is_left_out_and_the_resumed_monitor_starts_a_new_line(t
     assert f"{path} line 4: cut short" in r.stderr
     row = r.stdout.splitlines()[2].split()
     assert row[1:] == ["4k", "/", "1", "min"] * 2  # 2 and 5 reached at 4,000 steps: the cut '2' was never a score
+
+
+def test_a_results_txt_line_cut_short_is_left_out_and_the_next_writer_starts_a_new_line(tmp_path):
+    """GA3C's results.txt, cut inside a line by a kill (or a full disk): the next run's ``ResultsWriter`` ends that
+    line before its own, and plot.py leaves the cut line out with a warning instead of stopping at it."""
+    from ga3c.stats import Episode, ResultsWriter
+    path = tmp_path / "logs" / "results.txt"
+    with ResultsWriter(path) as w:
+        w.write(Episode(1_700_000_000.0, -21.0, 1000))
+    with open(path, "a") as cut:
+        cut.write("2023-11-14 22:15:00, 2")  # cut inside the score
+    with ResultsWriter(path) as w:
+        w.write(Episode(1_700_000_120.0, 5.0, 3000))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == "2023-11-14 22:15:00, 2" and lines[2].endswith(", 5, 3000"), lines
+    r = run_entry("plot.py", str(path), "--no-figure", "--window", "1", "--levels", "2", "5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"{path} line 2: cut short" in r.stderr
+    row = r.stdout.splitlines()[2].split()
+    assert row[1:] == ["4k", "/", "2", "min"] * 2  # 2 and 5 at 4,000 steps: the cut '2' was never a score
+
+
+def test_a_run_without_a_game_yet_is_skipped_whatever_it_left(tmp_path, capsys):
+    """A GA3C results.txt that is still empty (created at the start) and a monitor CSV of 0 bytes (a kill or a
+    full disk before its header) are runs without a game yet: skipped with a warning beside a run that has games,
+    one error line alone."""
+    import plot
+    good = tmp_path / "a" / "PongNoFrameskip-v4_monitor.csv"
+    good.parent.mkdir()
+    good.write_text("wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+                    "1e9,10.0,1000,3.0,100,1.0,3.0,\n")
+    empty_csv = tmp_path / "b" / "PongNoFrameskip-v4_monitor.csv"
+    empty_txt = tmp_path / "c" / "results.txt"
+    for f in (empty_csv, empty_txt):
+        f.parent.mkdir()
+        f.write_text("")
+    assert plot.main([str(tmp_path), "--no-figure", "--window", "1", "--levels", "3"]) == 0  # the folder scan
+    err = capsys.readouterr().err
+    assert f"{empty_csv} has no games yet" in err and err.count("\n") == 1, err
+    assert plot.main([str(good), str(empty_txt), "--no-figure", "--window", "1", "--levels", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"{empty_txt} has no games yet" in err and err.count("\n") == 1, err
+    for alone in (empty_csv, empty_txt):
+        assert plot.main([str(alone), "--no-figure"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has no games yet" in err, err
 
 
 def render_one_game(tmp_path, model_dir, env_extra):
