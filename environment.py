@@ -198,6 +198,45 @@ class MaxAndSkip(gym.Wrapper, gym.utils.RecordConstructorArgs):
         return frames.max(axis=0), total, terminated, truncated, info
 
 
+# Games whose lives counter goes down once at the start of every game, before play, with no life lost: the
+# counter's drop at or before this emulator frame of a game is not a lost life. Galaxian counts the ship about to
+# come on screen as a reserve ship until frame 64 of every game (4 -> 3 there, whatever the actions).
+LIVES_SETTLE_FRAMES = {"Galaxian": 70}
+
+
+def game_name(env: gym.Env) -> str:
+    """The game of an ALE env as the ids spell it (``Pong``, ``Galaxian``), from its registered id."""
+    spec = env.unwrapped.spec
+    m = _ID_RE.match(spec.id) if spec is not None else None
+    return m.group("game") if m else ""
+
+
+class LifeCounter:
+    """The lives counter of an ALE game, and whether it says a life was lost since the last look.
+
+    A life is lost when the counter goes down, to 0 as well: some games play their last life with the counter at
+    0 (it shows the reserve: DonkeyKong, BankHeist, Turmoil), so a 1 -> 0 drop in a game that goes on is a lost
+    life too. Not lost: a drop at or before ``LIVES_SETTLE_FRAMES`` of the game's emulator frames (Galaxian's
+    counter settles at frame 64), and a counter that goes up (a bonus life). Games without lives read 0 always.
+    """
+
+    def __init__(self, env: gym.Env):
+        self.ale = env.unwrapped.ale
+        self.settle = LIVES_SETTLE_FRAMES.get(game_name(env), 0)
+        self.lives = self.ale.lives()
+
+    def reset(self) -> None:
+        """Read the counter afresh (after a reset, or a restart step), without counting a loss."""
+        self.lives = self.ale.lives()
+
+    def lost(self) -> bool:
+        """Whether the counter went down since the last look (``reset`` or ``lost``), as a lost life."""
+        now = self.ale.lives()
+        lost = now < self.lives and (not self.settle or self.ale.getEpisodeFrameNumber() > self.settle)
+        self.lives = now
+        return lost
+
+
 class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """A lost life ends the learner's episode (``terminated=True``) but not the game.
 
@@ -212,18 +251,16 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
     def __init__(self, env: gym.Env):
         gym.utils.RecordConstructorArgs.__init__(self)
         gym.Wrapper.__init__(self, env)
-        self.lives = 0
+        self.counter = LifeCounter(env)
         self.life_lost = False
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         game_over = bool(terminated or truncated)
-        lives = self.env.unwrapped.ale.lives()
-        lost = not terminated and 0 < lives < self.lives
+        lost = self.counter.lost() and not terminated  # (``LifeCounter``)
         self.life_lost = lost and not truncated
         if lost:
             terminated = True
-        self.lives = lives
         info["game_over"] = game_over
         return obs, reward, terminated, truncated, info
 
@@ -236,7 +273,7 @@ class EpisodicLife(gym.Wrapper, gym.utils.RecordConstructorArgs):
         else:
             obs, info = self.env.reset(**kwargs)
         self.life_lost = False
-        self.lives = self.env.unwrapped.ale.lives()
+        self.counter.reset()
         return obs, info
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from environment import FIRE_RESET_ACTIONS, presses_fire
+from environment import FIRE_RESET_ACTIONS, LifeCounter, presses_fire
 from losses import A3CLoss, a3c_loss, bootstrap_value
 from model import A3Clstm, ActivationCache
 
@@ -202,9 +202,8 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     if on_frame is not None:
         on_frame(env)
-    ale = env.unwrapped.ale
     restart = (0, *FIRE_RESET_ACTIONS) if presses_fire(env.unwrapped.get_action_meanings()) else (0,)
-    lives = ale.lives()
+    lives = LifeCounter(env)
     hx, cx = model.initial_state(1, device)
     score, length = 0.0, 0
 
@@ -232,11 +231,9 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
                           F.softmax(logits.float(), dim=1)[0].tolist()))
         if over:
             return score, length, True
-        now = ale.lives()
-        if 0 < now < lives:  # a lost life, and the game goes on
+        if lives.lost():  # a lost life (``LifeCounter``), and the game goes on
             for action in restart:
                 obs, over = step(action)
                 if over:
                     return score, length, True
             hx, cx = model.initial_state(1, device)
-        lives = now

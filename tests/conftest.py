@@ -23,15 +23,16 @@ def run_entry(script: str, *args: str, cwd: Path, timeout: float = 240, env_extr
                           text=True, timeout=timeout)
 
 
-def always_noop_model(n_actions: int, hidden: int = 16):
-    """Greedy action 0 (NOOP, which never relaunches Breakout's ball) and an LSTM state that grows from zero."""
+def always_noop_model(n_actions: int, hidden: int = 16, action: int = 0):
+    """Greedy ``action`` (by default 0, NOOP, which never relaunches Breakout's ball) and an LSTM state that grows
+    from zero."""
     from model import A3Clstm
     m = A3Clstm(1, n_actions, hidden)
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
         m.lstm.bias_ih[2 * hidden: 3 * hidden] = 1.0  # g = tanh(1): the cell state, hence hx, becomes non-zero
-        m.actor_linear.bias[0] = 5.0
+        m.actor_linear.bias[action] = 5.0
     return m
 
 

@@ -191,6 +191,39 @@ def test_episodic_life_semantics():
     assert inner.resets == 3  # a reset mid-game (or seeded) is a real one
 
 
+def learner_episode_ends(env_id: str, action: int, steps: int) -> list[tuple[int, int, bool]]:
+    """``(agent step, lives after it, game over)`` for every learner episode end (``terminated``) in ``steps``
+    agent steps of ``env_id``'s learner stack from seed 0, holding ``action`` (the reset after each end as a
+    learner takes it)."""
+    env = atari_env(env_id, load_env_config("config.json", env_id), episodic_life=True, max_episode_length=100000)
+    env.reset(seed=0)
+    ends = []
+    for t in range(1, steps + 1):
+        _, _, terminated, truncated, info = env.step(action)
+        if terminated or truncated:
+            ends.append((t, env.unwrapped.ale.lives(), info["game_over"]))
+            if info["game_over"]:
+                break
+            env.reset()
+    return ends
+
+
+def test_a_last_life_played_at_lives_0_ends_the_learners_episode():
+    """BankHeist's counter shows the reserve, so its last life is played at lives() == 0 (holding action 11 from
+    seed 0: 4 -> 3 -> 2 -> 1 -> 0, the game going on for about 100 steps at 0). The 1 -> 0 loss ends the learner's
+    episode as the others do; the game's end ends the last one."""
+    ends = learner_episode_ends("BankHeistNoFrameskip-v4", 11, 2000)
+    assert [(lives, over) for _, lives, over in ends] == [(3, False), (2, False), (1, False), (0, False), (0, True)]
+    assert ends[-1][0] - ends[-2][0] > 50, ends
+
+
+def test_galaxians_lives_counter_settling_at_the_start_is_not_a_lost_life():
+    """Galaxian's counter goes 4 -> 3 at frame 64 of every game, when the first ship comes on screen, with no life
+    lost: no learner episode ends there; the first end is a ship destroyed, well after it."""
+    ends = learner_episode_ends("ALE/Galaxian-v5", 0, 400)
+    assert ends and ends[0][0] > 30 and ends[0][1] == 2 and not ends[0][2], ends
+
+
 def test_a_life_lost_on_the_time_limit_step_is_a_termination():
     """The learner bootstraps 0 from a lost life even when the time limit cuts that same step, and the reset
     after it is a real one (the game was cut). Both agent paths test ``terminated`` before ``truncated``."""

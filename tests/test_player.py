@@ -251,8 +251,8 @@ def test_a_lost_life_restarts_as_in_training_so_breakout_does_not_stall():
     score, length, finished = play_game(spy, env, CPU, seed=0)
     assert finished and env.unwrapped.ale.lives() == 0  # game over, not the time limit
     assert length == len(env.actions) < 5000
-    restarts = [i for i in range(1, len(env.lives)) if 0 < env.lives[i] < env.lives[i - 1]]
-    assert len(restarts) == 4  # 5 lives: 4 restarts, then game over
+    restarts = [i for i in range(1, len(env.lives) - 1) if env.lives[i] < env.lives[i - 1]]
+    assert len(restarts) == 4  # 5 lives: 4 restarts, then game over (the last life lost on the game's last step)
     for i in restarts:
         assert env.actions[i + 1: i + 4] == [0, 1, 2]  # NOOP, FIRE, 2 after the life was lost
     # the policy never presses FIRE itself: every 1 and 2 is a restart's
@@ -260,6 +260,23 @@ def test_a_lost_life_restarts_as_in_training_so_breakout_does_not_stall():
     # the LSTM state is fresh after each restart: zero at the game's start and at the 4 restarts, only there
     assert spy.hx_norms[0] == 0 and sum(n == 0 for n in spy.hx_norms) == 5
     assert all(spy.hx_norms[i] > 0 for i in (1, 2))
+
+
+def test_a_last_life_played_at_lives_0_is_restarted_too():
+    """BankHeist's counter shows the reserve, so its last life is played at lives() == 0: holding action 11 from
+    seed 0 loses lives at steps 450, 576, 693 and 819 (1 -> 0) and ends the game at 936. The 1 -> 0 loss restarts
+    as the others do (NOOP, FIRE, 2 and a fresh LSTM state), as a learner's episode starts there."""
+    env = _ActionLog(atari_env("BankHeistNoFrameskip-v4", load_env_config("config.json", "BankHeistNoFrameskip-v4"),
+                               max_episode_length=5000, episodic_life=False))
+    spy = _Spy(always_noop_model(env.action_space.n, action=11))
+    _, length, finished = play_game(spy, env, CPU, seed=0)
+    assert finished and length == len(env.actions) < 5000 and env.unwrapped.ale.lives() == 0
+    restarts = [i for i in range(1, len(env.lives) - 1) if env.lives[i] < env.lives[i - 1]]
+    assert [env.lives[i] for i in restarts] == [3, 2, 1, 0]
+    assert restarts[-1] < len(env.actions) - 20  # the game went on at lives 0
+    for i in restarts:
+        assert env.actions[i + 1: i + 4] == [0, 1, 2]
+    assert sum(n == 0 for n in spy.hx_norms) == 5  # the game's start and the 4 restarts
 
 
 def test_pong_games_have_no_restarts():
