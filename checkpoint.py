@@ -339,6 +339,9 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
         bad("config.train_batch", "is not a count")
     if "train_passes" in config and not (count(config["train_passes"]) and config["train_passes"] >= 1):
         bad("config.train_passes", "is not a number of passes")
+    for key in ("short_game_slots", "greedy_slots", "short_game_length"):
+        if key in config and not count(config[key]):
+            bad(f"config.{key}", "is not a count")
     pass_clip = config.get("pass_clip", 0.2)
     if not (isinstance(pass_clip, (int, float)) and not isinstance(pass_clip, bool) and finite(pass_clip)
             and 0 < pass_clip < 1):

@@ -637,13 +637,33 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
         errors.append("--distributed-step-size is for A3G workers; in GA3C mode every segment has --num-steps steps")
     if args.dynamic_seconds <= 0:
         errors.append(f"--dynamic-seconds must be > 0, got {args.dynamic_seconds:g}")
-    errors += short_game_problems(args)
+    errors += short_game_problems(args) + unused_ga3c_flags(args)
     if args.dynamic_max is not None:
         for name, bound, start in zip(("trainers", "predictors", "agents"), args.dynamic_max,
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
                 errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
     return errors
+
+
+def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
+    """One line for each GA3C flag given where it would change nothing (``args._given``): ``--pass-clip`` with one
+    pass, ``--short-game-length`` without short-game slots, ``--dynamic-seconds`` or ``--dynamic-max`` without
+    ``--dynamic``. In A3G mode the other-mode line names them all."""
+    given = getattr(args, "_given", ())
+    if args.mode != "ga3c":
+        return []
+    used = {"pass_clip": args.train_passes > 1, "short_game_length": args.short_game_slots > 0,
+            "dynamic_seconds": args.dynamic, "dynamic_max": args.dynamic}
+    valid = {"pass_clip": 0 < args.pass_clip < 1, "short_game_length": args.short_game_length >= 3,  # else: its own
+             "dynamic_seconds": 0 < args.dynamic_seconds < math.inf, "dynamic_max": True}          # line, only
+    unused = [(flag, why) for flag, dest, why in (
+        ("--pass-clip", "pass_clip", "it clips the surrogate of --train-passes 2 or more; give those too"),
+        ("--short-game-length", "short_game_length", "it is the cut of --short-game-slots K; give that too"),
+        ("--dynamic-seconds", "dynamic_seconds", "it is --dynamic's measuring window; give --dynamic too"),
+        ("--dynamic-max", "dynamic_max", "it bounds what --dynamic tries; give --dynamic too"),
+    ) if dest in given and valid[dest] and not used[dest]]
+    return [f"{flag} changes nothing here: {why}, or leave it out" for flag, why in unused]
 
 
 def train_passes_problems(args: argparse.Namespace) -> list[str]:
@@ -656,7 +676,7 @@ def train_passes_problems(args: argparse.Namespace) -> list[str]:
     if math.isfinite(args.pass_clip) and not 0 < args.pass_clip < 1:  # not finite: validate's own line
         errors.append(f"--pass-clip must be between 0 and 1 (exclusive), got {args.pass_clip:g}")
     if args.train_passes > 1:
-        both = [flag for flag, on in (("--is-clip", args.is_clip > 0),
+        both = [flag for flag, on in (("--is-clip", 0 < args.is_clip < math.inf),  # inf: validate's own line
                                       ("--greedy-slots", getattr(args, "greedy_slots", 0) > 0)) if on]
         if both:
             errors.append(f"--train-passes {args.train_passes} trains with the clipped surrogate, which is not "
@@ -682,7 +702,8 @@ def short_game_problems(args: argparse.Namespace) -> list[str]:
         errors.append(f"--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), got {length}")
     if args.mode != "ga3c" or k < 0 or g < 0 or k + g == 0:
         return errors
-    if k > 0 and length >= 3 and isinstance(args.max_episode_length, int) and length >= args.max_episode_length:
+    if (k > 0 and length >= 3 and isinstance(args.max_episode_length, int) and args.max_episode_length >= 1
+            and length >= args.max_episode_length):  # a max below 1: its own line
         errors.append(f"--short-game-length {length} must be below --max-episode-length {args.max_episode_length}, "
                       f"or the short games are not shorter")
     if args.agents < 1 or args.envs_per_agent < 1:

@@ -343,6 +343,24 @@ def train_passes_change_line(saved_config: dict, args: Namespace) -> str:
     return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"
 
 
+def slots_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that says a resumed GA3C checkpoint was trained with other ``--short-game-slots`` (and, with some,
+    ``--short-game-length``) or ``--greedy-slots`` than this GA3C run; "" otherwise (checkpoints from before the
+    flags: none)."""
+    if args.mode != "ga3c" or saved_config.get("mode") != "ga3c":
+        return ""
+
+    def slots(cfg):
+        k, g = cfg.get("short_game_slots", 0), cfg.get("greedy_slots", 0)
+        if k == 0 and g == 0:
+            return "no short-game or greedy slots"
+        return " ".join(([f"--short-game-slots {k} --short-game-length {cfg.get('short_game_length', 150)}"]
+                         if k else []) + ([f"--greedy-slots {g}"] if g else []))
+
+    was, now = slots(saved_config), slots(vars(args))
+    return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"
+
+
 def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | None, resume_path: Path | None,
                   log) -> A3Clstm | None:
     """The moving average of the weights (``--ema-steps``; None without it), in shared memory: a resumed
@@ -568,7 +586,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
         for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
-                     train_passes_change_line(saved_config, args),
+                     train_passes_change_line(saved_config, args), slots_change_line(saved_config, args),
                      train_envs_change_line(saved_config, args), see_skipped_change_line(saved_config, args),
                      target_met_line(resume_ckpt, args)):
             if line:

@@ -272,6 +272,34 @@ def test_train_passes_are_checked(argv, want):
         assert Ga3cSettings.from_args(args).problems() == []
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--pass-clip", "0.3"], ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; "
+                              "give those too, or leave it out"]),
+    (["--short-game-length", "50"], ["--short-game-length changes nothing here: it is the cut of --short-game-slots "
+                                     "K; give that too, or leave it out"]),
+    (["--dynamic-seconds", "5"], ["--dynamic-seconds changes nothing here: it is --dynamic's measuring window; give "
+                                  "--dynamic too, or leave it out"]),
+    (["--dynamic-max", "4", "4", "4"], ["--dynamic-max changes nothing here: it bounds what --dynamic tries; give "
+                                        "--dynamic too, or leave it out"]),
+    (["--pass-clip", "0.3", "--train-passes", "2"], []),
+    (["--short-game-length", "50", "--short-game-slots", "1"], []),
+    (["--dynamic-seconds", "5", "--dynamic-max", "4", "4", "4", "--dynamic"], []),
+    (["--pass-clip", "0.2", "--short-game-length", "150"],  # the defaults, spelled out: still nothing changes
+     ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; give those too, or "
+      "leave it out", "--short-game-length changes nothing here: it is the cut of --short-game-slots K; give that "
+      "too, or leave it out"]),
+    # a value that is wrong in itself gets its own line only
+    (["--dynamic-seconds", "0"], ["--dynamic-seconds must be > 0, got 0"]),
+    (["--short-game-slots", "1", "--max-episode-length", "0"], ["--max-episode-length must be >= 1, got 0"]),
+    (["--train-passes", "2", "--is-clip", "inf"], ["--is-clip must be a finite number, got inf"]),
+    (["--mode", "a3g", "--pass-clip", "0.3"], ["--pass-clip: only GA3C mode has it"])])
+def test_a_ga3c_flag_that_would_change_nothing_is_refused(argv, want):
+    """As ``--confirm-every-steps`` without ``--target-score``: a flag given where it is never read is a command
+    that does not do what it says."""
+    errors = validate(parse(*argv))
+    assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
+
+
 def test_the_start_up_line_names_the_greedy_slots_and_the_factory_leaves_their_games_out():
     from config import greedy_slots_line
     from ga3c.agent import AtariEnvFactory

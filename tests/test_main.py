@@ -718,7 +718,7 @@ def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv
      "--pass-clip 0.1"),
     ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, [],
      "the checkpoint was trained with --train-passes 2 --pass-clip 0.2; this run goes on with --train-passes 1"),
-    ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, ["--pass-clip", "0.1"], ""),  # unused with one pass
+    ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, [], ""),  # unused with one pass
     ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, ["--train-passes", "2"], ""),
     ({"mode": "a3g"}, ["--train-passes", "2"], ""),  # the mode line says it
 ])
@@ -730,11 +730,36 @@ def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv,
     assert train_passes_change_line(saved, args) == line
 
 
+@pytest.mark.parametrize("saved,argv,line", [
+    ({"mode": "ga3c"}, [], ""),  # a checkpoint from before the flags: none
+    ({"mode": "ga3c", "short_game_slots": 1, "short_game_length": 20, "greedy_slots": 1}, [],
+     "the checkpoint was trained with --short-game-slots 1 --short-game-length 20 --greedy-slots 1; this run goes on "
+     "with no short-game or greedy slots"),
+    ({"mode": "ga3c", "short_game_slots": 2, "short_game_length": 150, "greedy_slots": 0},
+     ["--short-game-slots", "2"], ""),
+    ({"mode": "ga3c", "short_game_slots": 2, "short_game_length": 150, "greedy_slots": 0},
+     ["--short-game-slots", "2", "--short-game-length", "100"],
+     "the checkpoint was trained with --short-game-slots 2 --short-game-length 150; this run goes on with "
+     "--short-game-slots 2 --short-game-length 100"),
+    ({"mode": "ga3c", "short_game_slots": 0, "short_game_length": 90, "greedy_slots": 0}, ["--greedy-slots", "2"],
+     "the checkpoint was trained with no short-game or greedy slots; this run goes on with --greedy-slots 2"),
+    ({"mode": "a3g"}, ["--greedy-slots", "2"], ""),  # the mode line says it
+])
+def test_a_resumed_ga3c_checkpoint_with_other_short_game_or_greedy_slots_is_named(saved, argv, line):
+    from config import build_parser, validate
+    from main import slots_change_line
+    args = build_parser().parse_args(argv)
+    assert validate(args) == []
+    assert slots_change_line(saved, args) == line
+
+
 @pytest.mark.parametrize("config,field", [
     ({"train_passes": None}, "config.train_passes"), ({"train_passes": "2"}, "config.train_passes"),
     ({"train_passes": 0}, "config.train_passes"), ({"train_passes": True}, "config.train_passes"),
     ({"train_passes": 2, "pass_clip": None}, "config.pass_clip"), ({"pass_clip": float("nan")}, "config.pass_clip"),
     ({"pass_clip": 1.5}, "config.pass_clip"), ({"pass_clip": "0.2"}, "config.pass_clip"),
+    ({"short_game_slots": "1"}, "config.short_game_slots"), ({"greedy_slots": -1}, "config.greedy_slots"),
+    ({"short_game_length": 1.5}, "config.short_game_length"),
 ])
 def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, field, tmp_path):
     """The resume's train_passes_change_line reads these two flags from the checkpoint: a damaged value is the
@@ -743,7 +768,8 @@ def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, f
     base = {"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(1)}}
     with pytest.raises(ModelFileError, match=f"'{field}' is not a"):
         check_checkpoint({**base, "config": {"mode": "ga3c", **config}}, tmp_path / "x.ckpt")
-    check_checkpoint({**base, "config": {"mode": "ga3c", "train_passes": 3, "pass_clip": 0.1}}, tmp_path / "x.ckpt")
+    check_checkpoint({**base, "config": {"mode": "ga3c", "train_passes": 3, "pass_clip": 0.1, "short_game_slots": 2,
+                                         "short_game_length": 150, "greedy_slots": 1}}, tmp_path / "x.ckpt")
 
 
 @pytest.mark.parametrize("ckpt,argv,why", [
