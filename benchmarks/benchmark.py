@@ -239,6 +239,9 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
     log.setLevel(logging.INFO)
     started = time.perf_counter()
     mode = Ga3cRun(args, shared, optimizer, log)
+    if args.ema_steps:  # as main.py's start_average: the trainers blend it after every batch, a cost measured too
+        from averaging import make_average
+        mode.average_model = make_average(shared)
     run = mode.run
     procs = mode.launch(ctx)
     try:
@@ -277,24 +280,30 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
             "gpu": summarize_gpu_samples(gpu)}
 
 
-def model_flops_per_step(num_steps: int = 20) -> dict:
+def model_flops_per_step(num_steps: int = 20, hidden_size: int = 512) -> dict:
     """Model FLOPs of one training agent step (torch's FLOP counter: matrix products and convolutions): the
     acting forward (batch 1), and the training forward and backward over a rollout, per step. Both modes are
     charged all three, whatever they skip (A3G's update replays the saved conv activations): this is the work
-    the algorithm needs, so the fraction of the compute roof compares the modes' throughput fairly."""
+    the algorithm needs, so the fraction of the compute roof compares the modes' throughput fairly. The training
+    pass is counted over the rollout stepped one frame at a time: the same products as ``unroll``, whose fused
+    LSTM (``torch.lstm``) the counter does not see into (it counted the LSTM's 6.3 MFLOP a step forward and 12.6
+    backward as 0)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = A3Clstm(1, 6)
+    model = A3Clstm(1, 6, hidden_size)
     frames = torch.randn(num_steps, 1, 80, 80)
     state = model.initial_state()
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         model(frames[:1], state)
     act = fc.get_total_flops()
+    outputs = []
     with FlopCounterMode(display=False) as fc:
-        values, logits = model.unroll(frames, state)
+        for t in range(num_steps):
+            value, logits, state = model(frames[t: t + 1], state)
+            outputs.append(value.sum() + logits.sum())
     fwd = fc.get_total_flops() / num_steps
     with FlopCounterMode(display=False) as fc:
-        (values.sum() + logits.sum()).backward()
+        torch.stack(outputs).sum().backward()
     bwd = fc.get_total_flops() / num_steps
     return {"acting_forward": act, "training_forward": fwd, "training_backward": bwd, "total": act + fwd + bwd}
 
@@ -597,6 +606,12 @@ def check_options(opts: argparse.Namespace) -> list[str]:
         return [f"--ga3c-flags: {e}"]
     if gargs.mode != "ga3c":
         return [f"--ga3c-flags: --mode {gargs.mode}: the GA3C measurement runs GA3C mode; leave --mode out"]
+    plain = ga3c_args(argparse.Namespace(**{**vars(opts), "ga3c_flags": ""}), out_dir / "ga3c")
+    if gargs.env != plain.env:
+        return [f"--ga3c-flags: --env {gargs.env}: both modes play the benchmark's own --env ({opts.env}); give "
+                f"--env to benchmark.py instead"]
+    if gargs.env_config != plain.env_config:
+        return ["--ga3c-flags: --env-config: both modes use the repository's config.json; leave it out"]
     gargs.env_config = str(ROOT / "config.json")
     ga3c_problems = [e for e in validate(gargs) if "save-model-dir" not in e]
     return [f"--ga3c-flags: {'; '.join(ga3c_problems)}"] if ga3c_problems else []
@@ -720,6 +735,10 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
     tr = res["training"]
     print(f"training ({args.compute_precision}), {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
           f"({tr['steps']} steps in {tr['seconds']:.0f} s)", flush=True)
+    if tr["steps"] == 0:  # nothing to divide by below
+        print(f"benchmark.py: error: no A3G training step was counted in the --window of {opts.window:g} s (a "
+              f"worker counts its steps when a rollout ends): give a longer --window", file=sys.stderr, flush=True)
+        return 2
     print("resident memory MiB (start -> end of window): " + ", ".join(
         f"{k} {tr['rss_mib_start'][k]:.0f} -> {tr['rss_mib_end'].get(k, float('nan')):.0f}"
         for k in tr["rss_mib_start"]), flush=True)
@@ -731,17 +750,21 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
             f"{k} {v:.0f}" for k, v in g["process_memory_mib_max"].items()), flush=True)
     elif any(i >= 0 for i in opts.gpu_ids):
         print("GPU utilisation and memory: not read (no working nvidia-smi)", flush=True)
-    res["model_mflop_per_step"] = {k: v / 1e6 for k, v in model_flops_per_step().items()}
-    res["matmul_gflops_1_thread"] = matmul_gflops()
-    roof = res["matmul_gflops_1_thread"] * (os.cpu_count() or 1)
+    res["model_mflop_per_step"] = {k: v / 1e6 for k, v in model_flops_per_step(hidden_size=args.hidden_size).items()}
     flop = res["model_mflop_per_step"]["total"] * 1e6
-    res["roof_fraction_a3g"] = tr["steps_per_s"] * flop / (roof * 1e9)
+    on_gpu = any(i >= 0 for i in opts.gpu_ids)
     print(f"model per training step: acting forward {res['model_mflop_per_step']['acting_forward']:.0f} + "
           f"training forward {res['model_mflop_per_step']['training_forward']:.0f} + backward "
-          f"{res['model_mflop_per_step']['training_backward']:.0f} = {flop / 1e6:.0f} MFLOP; fp32 matmul "
-          f"{res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread x {os.cpu_count()} cores (the compute roof; "
-          f"bf16 can pass it)", flush=True)
-    print(f"A3G mode: {res['roof_fraction_a3g']:.2f} of the fp32 compute roof", flush=True)
+          f"{res['model_mflop_per_step']['training_backward']:.0f} = {flop / 1e6:.0f} MFLOP", flush=True)
+    if on_gpu:  # the CPU's matmul rate says nothing about a GPU's: no roof fractions (None in the JSON)
+        res["matmul_gflops_1_thread"] = res["roof_fraction_a3g"] = None
+        print("compute roof: not measured on a GPU run (it is the CPU's fp32 matmul rate x its cores)", flush=True)
+    else:
+        res["matmul_gflops_1_thread"] = matmul_gflops()
+        roof = res["matmul_gflops_1_thread"] * (os.cpu_count() or 1)
+        res["roof_fraction_a3g"] = tr["steps_per_s"] * flop / (roof * 1e9)
+        print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread x {os.cpu_count()} cores (the "
+              f"compute roof; bf16 can pass it); A3G mode: {res['roof_fraction_a3g']:.2f} of it", flush=True)
     if opts.ga3c:
         gargs = ga3c_args(opts, out_dir / "ga3c")
         gargs.env_config = args.env_config
@@ -753,14 +776,20 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
                                                      "predict_batch", "train_batch", "queue_size", "num_steps",
                                                      "dynamic", "compute_precision", "replay_activations",
-                                                     "train_passes")}
-        res["roof_fraction_ga3c"] = g["steps_per_s"] * flop / (roof * 1e9)
+                                                     "train_passes", "hidden_size", "ema_steps")}
+        # its own model's FLOPs (--ga3c-flags may give another --hidden-size; the ratio then compares two models)
+        g["model_mflop_per_step"] = (res["model_mflop_per_step"] if gargs.hidden_size == args.hidden_size else
+                                     {k: v / 1e6 for k, v in model_flops_per_step(
+                                         hidden_size=gargs.hidden_size).items()})
+        res["roof_fraction_ga3c"] = (None if on_gpu else
+                                     g["steps_per_s"] * g["model_mflop_per_step"]["total"] * 1e6 / (roof * 1e9))
         res["ga3c_over_a3g"] = g["steps_per_s"] / tr["steps_per_s"]
         print(f"GA3C mode ({' '.join(f'{k}={v}' for k, v in g['flags'].items())}) + monitor: "
               f"{g['steps_per_s']:.0f} steps/s, {g['trained_steps_per_s']:.0f} trained steps/s, "
               f"{g['updates_per_s']:.1f} updates/s, policy lag mean {g['policy_lag_mean']:.2f} max "
-              f"{g['policy_lag_max']}; {res['roof_fraction_ga3c']:.2f} of the fp32 compute roof; "
-              f"GA3C / A3G {res['ga3c_over_a3g']:.2f}x", flush=True)
+              f"{g['policy_lag_max']}; "
+              + ("" if on_gpu else f"{res['roof_fraction_ga3c']:.2f} of the fp32 compute roof; ")
+              + f"GA3C / A3G {res['ga3c_over_a3g']:.2f}x", flush=True)
         for event in g["dynamic_events"]:
             print(f"  --dynamic at {event}", flush=True)
         if gargs.dynamic:

@@ -7,6 +7,7 @@ import stat
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, kill_session, processes_left, run_entry, session_processes
 
@@ -40,9 +41,12 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert g["flags"]["train_passes"] == 1  # the default: one optimizer step per batch
     assert set(g["rss_mib_start"]) == {"ga3c server", "ga3c agent 0", "monitor"}
     assert abs(res["ga3c_over_a3g"] - g["steps_per_s"] / tr["steps_per_s"]) < 1e-9
-    assert 300 < flop["total"] < 600 and flop["total"] == sum(v for k, v in flop.items() if k != "total")
+    assert 300 < flop["total"] < 600 and abs(flop["total"] - sum(v for k, v in flop.items() if k != "total")) < 1e-9
+    assert flop["training_forward"] == flop["acting_forward"]  # the LSTM counted in both
     roof = res["matmul_gflops_1_thread"] * os.cpu_count() * 1e9
-    assert abs(res["roof_fraction_ga3c"] - g["steps_per_s"] * flop["total"] * 1e6 / roof) < 1e-9
+    assert abs(res["roof_fraction_a3g"] - tr["steps_per_s"] * flop["total"] * 1e6 / roof) < 1e-9
+    assert g["flags"]["hidden_size"] == 32 and g["model_mflop_per_step"]["total"] < flop["total"]  # its own model
+    assert abs(res["roof_fraction_ga3c"] - g["steps_per_s"] * g["model_mflop_per_step"]["total"] * 1e6 / roof) < 1e-9
 
 
 @pytest.mark.slow
@@ -70,6 +74,42 @@ def test_by_default_the_training_processes_write_into_a_temporary_folder_deleted
     assert not folders[0].exists() and ROOT not in folders[0].parents
     assert bench.main(["--out-dir", str(tmp_path / "kept")]) == 0
     assert folders[1] == tmp_path / "kept" and (tmp_path / "kept/PongNoFrameskip-v4.dat").read_bytes() == b"a model"
+
+
+def test_the_flop_count_includes_the_lstm_of_the_training_pass():
+    """torch's FLOP counter sees nothing inside ``torch.lstm`` (the fused LSTM of ``unroll``): the training forward
+    is counted step by step, so it equals the acting forward, and exceeds the fused count by the LSTM's products
+    counted by hand, 2 x (input + hidden) x 4 hidden a step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model import A3Clstm
+    bench = load_benchmark()
+    for hidden in (512, 64):
+        flops = bench.model_flops_per_step(num_steps=5, hidden_size=hidden)
+        assert flops["training_forward"] == flops["acting_forward"] > 0
+        model = A3Clstm(1, 6, hidden)
+        with FlopCounterMode(display=False) as fc:
+            model.unroll(torch.randn(5, 1, 80, 80), model.initial_state())
+        lstm_in = model.lstm.weight_ih.shape[1]
+        assert flops["training_forward"] - fc.get_total_flops() / 5 == 2 * (lstm_in + hidden) * 4 * hidden
+        assert flops["training_backward"] > flops["training_forward"]
+        assert flops["total"] == flops["acting_forward"] + flops["training_forward"] + flops["training_backward"]
+
+
+def test_a_window_that_counted_no_a3g_step_is_one_error_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """A3G workers count their steps when a rollout ends, so a very short --window can count none: one line and
+    exit 2 (it was a ZeroDivisionError traceback after the GA3C measurement), before the GA3C measurement."""
+    bench = load_benchmark()
+    measured = []
+    monkeypatch.setattr(bench, "training_steps_per_s", lambda *a: {
+        "steps_per_s": 0.0, "steps": 0, "seconds": 0.01, "rss_mib_start": {"worker 0": 1.0},
+        "rss_mib_end": {"worker 0": 1.0}, "gpu": None})
+    monkeypatch.setattr(bench, "ga3c_training_steps_per_s", lambda *a: measured.append(a))
+    opts = bench.benchmark_parser().parse_args(["--modes-only", "--workers", "1", "--window", "0.01"])
+    assert bench.run(opts, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no A3G training step was counted in the --window of 0.01 s" in err, err
+    assert measured == []
 
 
 def load_benchmark():
@@ -218,6 +258,11 @@ BAD_INPUT = [  # (script, flags, what the one error line says); {tmp} is the tes
     ("benchmark.py", ["--ga3c-flags=--bogus"], "--ga3c-flags: unrecognized arguments: --bogus"),
     ("benchmark.py", ["--ga3c-flags", "--agents 0"], "--ga3c-flags: --agents must be >= 1, got 0"),
     ("benchmark.py", ["--ga3c-flags", "--agents '2"], "--ga3c-flags: No closing quotation"),
+    ("benchmark.py", ["--ga3c-flags", "--env BreakoutNoFrameskip-v4"],
+     "--ga3c-flags: --env BreakoutNoFrameskip-v4: both modes play the benchmark's own --env (PongNoFrameskip-v4); "
+     "give --env to benchmark.py instead"),
+    ("benchmark.py", ["--ga3c-flags", "--env-config x.json"],
+     "--ga3c-flags: --env-config: both modes use the repository's config.json; leave it out"),
     ("benchmark.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
     ("budget.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
     ("benchmark.py", ["--json", "/proc/x.json"], "--json '/proc/x.json': its folder '/proc' cannot be written"),
