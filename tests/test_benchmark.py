@@ -18,7 +18,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
                      "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out),
                      "--out-dir", str(run_dir), "--ga3c-flags", "--agents 1 --envs-per-agent 2 --num-steps 5 "
-                     "--train-batch 1 --hidden-size 32 --precision fp32", "--precision", "bf16", cwd=tmp_path,
+                     "--train-batch 1 --hidden-size 32 --ema-steps 100 --precision fp32", "--precision", "bf16", cwd=tmp_path,
                      timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "PongNoFrameskip-v4_log").is_file()  # the monitor's log, where it was told to write
@@ -45,7 +45,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert flop["training_forward"] == flop["acting_forward"]  # the LSTM counted in both
     roof = res["matmul_gflops_1_thread"] * os.cpu_count() * 1e9
     assert abs(res["roof_fraction_a3g"] - tr["steps_per_s"] * flop["total"] * 1e6 / roof) < 1e-9
-    assert g["flags"]["hidden_size"] == 32 and g["model_mflop_per_step"]["total"] < flop["total"]  # its own model
+    assert g["flags"]["ema_steps"] == 100 and g["flags"]["hidden_size"] == 32 and g["model_mflop_per_step"]["total"] < flop["total"]  # its own model
     assert abs(res["roof_fraction_ga3c"] - g["steps_per_s"] * g["model_mflop_per_step"]["total"] * 1e6 / roof) < 1e-9
 
 
