@@ -182,7 +182,8 @@ BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
 def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
     """The command that continues this run: its own flags without any ``--load``/``--load-model-dir`` (so it
     resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with twice
-    that budget; after ``--target-score`` was reached, without it (the restored games already meet it)."""
+    that budget; after ``--target-score`` was reached, without it (the restored games already meet it) and without
+    ``--confirm-every-steps``, which is refused without a target."""
     reached = reason.startswith("reached --max-steps")
     target = reason.startswith("reached --target-score")
     out, i = [], 0
@@ -193,7 +194,7 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
             i += 2 if not has_value and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS else 1
             continue
         if name in ("--load-model-dir", "-lmd") or (reached and name == "--max-steps") or (
-                target and name == "--target-score"):
+                target and name in ("--target-score", "--confirm-every-steps")):
             i += 1 if has_value else 2
             continue
         out.append(a)
@@ -441,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) that are not "
                         f"{resume_path}'s first {checkpoint_games(resume_ckpt)[0]:,} (another run's), and this run "
                         f"would add its own to them: pass --log-dir DIR with this run's log folder, or another one")
+    elif args.load and same_dir and resume_ckpt is None and games:
+        problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s), and {resume_path} is "
+                        f"a bare model file, without the step count, time and games a checkpoint keeps (a run killed "
+                        f"before its first checkpoint): this run would count from 0 in that file: pass --log-dir DIR "
+                        f"with another folder (or move the file away)")
     elif not (args.load and same_dir) and games:
         how = ("pass --log-dir DIR with another folder, since this run resumes from --load-model-dir "
                f"{args.load_model_dir} into another --save-model-dir" if args.load else

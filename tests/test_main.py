@@ -4,6 +4,7 @@ import csv
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -816,6 +817,46 @@ def test_a_run_stopped_at_its_target_prints_a_resume_command_without_it(tmp_path
         f"{tmp_path / 'models' / 'PongNoFrameskip-v4.ckpt'}'s first 3 (another run's), and this run would add its "
         f"own to them: pass --log-dir DIR with this run's log folder, or another one\n"), r.stderr
     assert [p.name for p in other.iterdir()] == ["PongNoFrameskip-v4_monitor.csv"]
+
+
+@pytest.mark.parametrize("confirm", [["--confirm-every-steps", "2000"], ["--confirm-every-steps=2000"]])
+def test_the_resume_command_after_a_target_stop_leaves_out_the_confirming_cadence_too(confirm):
+    """``--confirm-every-steps`` given without ``--target-score`` is refused, so the command printed after a target
+    stop, which leaves the target out, leaves the cadence out too: the printed command runs."""
+    from config import build_parser, validate
+    from main import resume_command
+    argv = ["--env", "PongNoFrameskip-v4", "--target-score", "20", *confirm, "--score-window", "5"]
+    args = build_parser().parse_args(argv)
+    assert validate(args) == []
+    command = resume_command(argv, args, "reached --target-score 20")
+    assert "--target-score" not in command and "--confirm-every-steps" not in command, command
+    resumed = shlex.split(command)[2:]
+    assert resumed == ["--env", "PongNoFrameskip-v4", "--score-window", "5", "--load"]
+    assert validate(build_parser().parse_args(resumed)) == []
+    assert "--confirm-every-steps" in resume_command(argv, args, "reached --max-steps 100")  # kept on other stops
+
+
+def test_a_load_of_a_bare_model_file_is_refused_where_the_log_folder_has_its_runs_games(tmp_path):
+    """A run killed before its first checkpoint leaves a .dat (written after each monitor game) and a CSV with
+    games; ``--load`` from that .dat has no step count, time or games, so its rows would start again at 0 in the
+    same file: one line, nothing written."""
+    from model import A3Clstm
+    logs, models = tmp_path / "logs", tmp_path / "models"
+    logs.mkdir(), models.mkdir()
+    csv_file = logs / "PongNoFrameskip-v4_monitor.csv"
+    csv_file.write_text("wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+                        "1795000000.000,10.0,150,-21.0,800,15.0,-21.0000,\n")
+    torch.save(A3Clstm(1, 6, 32).state_dict(), models / "PongNoFrameskip-v4.dat")
+    before = {p: p.read_bytes() for p in (csv_file, models / "PongNoFrameskip-v4.dat")}
+    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--load", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"main.py: error: {csv_file} holds 1 monitor game(s), and {models / 'PongNoFrameskip-v4.dat'} is a bare "
+        f"model file, without the step count, time and games a checkpoint keeps (a run killed before its first "
+        f"checkpoint): this run would count from 0 in that file: pass --log-dir DIR with another folder (or move "
+        f"the file away)\n"), r.stderr
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["logs", "models", csv_file.name,
+                                                                   "PongNoFrameskip-v4.dat"])
 
 
 def test_a_monitor_csv_is_the_checkpoints_where_its_run_wrote_it_or_where_its_first_games_are_the_checkpoints():
