@@ -864,7 +864,7 @@ def test_gym_eval_finds_the_shipped_model_for_each_protocol_without_flags(env_id
 
 
 @pytest.mark.parametrize("value,expected", [
-    (True, "ALE_Pong-v5.json evaluation on ALE/Pong-v5 (results/pong_v5_tp2_half_eval_v5.json): max_over_frames 1, the "
+    (True, "ALE_Pong-v5.json evaluation on ALE/Pong-v5 (results/pong_v5_ent_half_eval_v5.json): max_over_frames 1, the "
            "model sees skipped frames (3)"),
     ("yes", "ALE_Pong-v5.json: see_skipped_frames is 'yes', not true or false")])
 def test_a_card_whose_evaluations_showed_other_frames_than_it_says_is_reported(repo_copy, value, expected):
