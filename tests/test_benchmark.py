@@ -100,6 +100,9 @@ def test_a_window_that_counted_no_a3g_step_is_one_error_line_and_exit_2(tmp_path
     """A3G workers count their steps when a rollout ends, so a very short --window can count none: one line and
     exit 2 (it was a ZeroDivisionError traceback after the GA3C measurement), before the GA3C measurement."""
     bench = load_benchmark()
+    # run() marks this process as a run's main (lifeline.mark_children sets the variable): undone at the end, or
+    # every process a later test starts would take pytest for its main process
+    monkeypatch.setenv(bench.lifeline.PARENT_ENV, "")
     measured = []
     monkeypatch.setattr(bench, "training_steps_per_s", lambda *a: {
         "steps_per_s": 0.0, "steps": 0, "seconds": 0.01, "rss_mib_start": {"worker 0": 1.0},
@@ -109,7 +112,7 @@ def test_a_window_that_counted_no_a3g_step_is_one_error_line_and_exit_2(tmp_path
     assert bench.run(opts, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no A3G training step was counted in the --window of 0.01 s" in err, err
-    assert measured == []
+    assert measured == [] and os.environ[bench.lifeline.PARENT_ENV] == str(os.getpid())  # undone at teardown
 
 
 def load_benchmark():
