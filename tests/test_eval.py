@@ -199,6 +199,7 @@ def test_a_run_stops_at_its_target_score_keeps_save_max_semantics_and_plots(tmp_
     assert "line 1 is not a results.txt line" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 8 s, three entry runs; seeding per game (below) and an in-process --random-actions run stay
 def test_random_actions_play_the_same_protocol_without_a_model(tmp_path):
     """--random-actions reads no model (the default folder holds a file that is not a model), plays the protocol's
     games with seeded random actions whichever process plays them, and writes its JSON beside, not over, a

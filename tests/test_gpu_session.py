@@ -36,6 +36,7 @@ def test_the_stages_share_the_budget():
     assert seconds("tests", ["bench", "train"], 100, opts) == 0
 
 
+@pytest.mark.slow  # 8 s; the stop-signal test below ends a stage and its children in the default suite
 def test_a_stage_past_its_time_gets_sigterm_then_sigkill_with_its_children(tmp_path, monkeypatch):
     """A stage that handles SIGTERM (main.py writes its final checkpoint) ends by itself; one that ignores it is
     killed after the grace period, with the process it started: nothing is left running."""

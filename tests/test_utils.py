@@ -53,6 +53,7 @@ def _page_faults(mode: str) -> int:
     return int(out.stdout.strip())
 
 
+@pytest.mark.slow  # 6 s of page-fault counting; the settings themselves are tested above in the default suite
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc setting")
 def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again():
     default, kept = _page_faults("default"), _page_faults("keep")
