@@ -205,10 +205,13 @@ LIVES_SETTLE_FRAMES = {"Galaxian": 70}
 
 
 def game_name(env: gym.Env) -> str:
-    """The game of an ALE env as the ids spell it (``Pong``, ``Galaxian``), from its registered id."""
+    """The game of an ALE env as the ids spell it (``Pong``, ``Galaxian``), from its registered id (``resolve_env_id``);
+    "" for an env without one."""
     spec = env.unwrapped.spec
-    m = _ID_RE.match(spec.id) if spec is not None else None
-    return m.group("game") if m else ""
+    try:
+        return resolve_env_id(spec.id).game if spec is not None else ""
+    except EnvIdError:
+        return ""
 
 
 class LifeCounter:

@@ -87,6 +87,13 @@ class NoGamesYet(ValueError):
     """A monitor CSV with its header and no game: skipped with a warning when other curves can be drawn."""
 
 
+def cut_warning(path: Path, lines: list[int]) -> str:
+    """The warning for the lines of ``path`` left out as cut short by a run stopped while writing them."""
+    many = len(lines) > 1
+    return (f"{path} line{'s' if many else ''} {', '.join(map(str, lines))}: cut short (its run stopped while "
+            f"writing {'them' if many else 'it'}); left out")
+
+
 _RESULTS_PREFIX = re.compile(r"^[0-9: -]*(,[ 0-9.eE+-]*)?$")  # what the start of a results.txt line can hold
 
 
@@ -119,8 +126,7 @@ def read_results(path: Path, warnings: list[str] | None = None) -> dict:
                 raise ValueError(f"{path} line {n} is not a results.txt line (YYYY-MM-DD HH:MM:SS, score, "
                                  f"length): {line.strip()[:80]!r}") from None
     if cut:
-        warnings.append(f"{path} line{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}: cut short (its run "
-                        f"stopped while writing {'them' if len(cut) > 1 else 'it'}); left out")
+        warnings.append(cut_warning(path, cut))
     if not steps:
         raise NoGamesYet(f"{path} has no games yet (its run has not finished a game)")
     return {"steps": steps, "score": score, "hours": [(t - times[0]) / 3600 for t in times]}
@@ -151,8 +157,7 @@ def read_curve(path: Path, warnings: list[str] | None = None) -> dict:
         raise ValueError(f"{path} is not a monitor CSV ({e})") from None
     cut = [line for line, r in rows if None in r.values()]
     if cut and rows[0][1].keys() >= {"global_steps", "score", "elapsed_s"}:
-        warnings.append(f"{path} line{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}: cut short (its run "
-                        f"stopped while writing {'them' if len(cut) > 1 else 'it'}); left out")
+        warnings.append(cut_warning(path, cut))
         rows = [(line, r) for line, r in rows if None not in r.values()]
     if not rows:
         with open(path, newline="") as f:

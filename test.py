@@ -31,8 +31,8 @@ from model import A3Clstm
 from player_util import play_game, sync_weights
 from precision import compute_dtype
 from run_state import RunState
-from utils import (close_quietly, describe_failure, end_child_process, format_duration, safe_name,
-                   setup_child_process, setup_logger, use_device, worker_device)
+from utils import (close_quietly, describe_failure, end_child_process, ends_mid_line, format_duration,
+                   safe_name, setup_child_process, setup_logger, use_device, worker_device)
 
 CSV_FIELDS = ["wall_time", "elapsed_s", "global_steps", "score", "length", "steps_per_s", "reward_mean",
               "window_mean"]
@@ -81,11 +81,7 @@ def open_csv(path: Path):
     own (``plot.py`` leaves the cut row out). Raises ``CheckpointWriteError`` (one line) when it cannot be
     written (a full disk), the file closed."""
     new = not path.exists() or path.stat().st_size == 0
-    ended = True
-    if not new:
-        with open(path, "rb") as old:
-            old.seek(-1, 2)
-            ended = old.read(1) == b"\n"
+    ended = not ends_mid_line(path)
     f = open(path, "a", newline="")
     writer = csv.writer(f)
     try:

@@ -33,6 +33,19 @@ def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
     return json.dumps(obj)
 
 
+def ends_mid_line(path: Path) -> bool:
+    """Whether the file at ``path`` exists, is not empty and does not end with a newline: its last line was cut
+    short (a run killed, or out of disk, while writing it), and an append must end that line first."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, 2) == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
 def close_quietly(f) -> None:
     """Close the file ``f``; a write it still holds that fails again (a full disk, already reported) is dropped."""
     try:

@@ -28,9 +28,8 @@ from typing import NamedTuple
 import torch
 
 from checkpoint import write_errors
-from utils import close_quietly
 from ga3c.buffers import ACQUIRE, RELEASE, fence
-from utils import close_quietly
+from utils import close_quietly, ends_mid_line
 
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
 EMA = 0.99
@@ -293,21 +292,20 @@ class ResultsWriter:
         self.path = Path(path)
         with write_errors(self.path):  # a file that cannot be opened is one line (CheckpointWriteError)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a+b")
-            try:
-                if self._file.seek(0, 2) > 0:
-                    self._file.seek(-1, 2)
-                    if self._file.read(1) != b"\n":
-                        self._file.write(b"\n")
-                        self._file.flush()
-            except BaseException:
-                close_quietly(self._file)
-                raise
+            cut = ends_mid_line(self.path)
+            self._file = open(self.path, "a", encoding="utf-8")
+            if cut:
+                try:
+                    self._file.write("\n")
+                    self._file.flush()
+                except BaseException:
+                    close_quietly(self._file)
+                    raise
 
     def write(self, episode: Episode) -> None:
         """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""
         with write_errors(self.path):
-            self._file.write(results_line(episode.time, episode.score, episode.length).encode("utf-8"))
+            self._file.write(results_line(episode.time, episode.score, episode.length))
             self._file.flush()
 
     def close(self) -> None:
