@@ -76,7 +76,14 @@ def _can_write_in(folder: Path) -> bool:
 
 def validate_dir(path: str, flag: str) -> list[str]:
     """Problems with ``path`` as a folder to write in, created if missing: it, or a folder above it, is a file, or
-    the nearest existing folder cannot be written. Nothing is created."""
+    the nearest existing folder cannot be written or a folder on the way cannot be entered. Nothing is created."""
+    try:
+        return _dir_problems(path, flag)
+    except OSError as e:  # Path.exists raises where a folder above cannot be entered (EACCES)
+        return [f"{flag} '{path}' cannot be reached ({e.strerror or e}): pick a folder you can write to"]
+
+
+def _dir_problems(path: str, flag: str) -> list[str]:
     p = Path(path)
     if p.exists() and not p.is_dir():
         return [f"{flag} '{path}' is a file, not a folder"]
@@ -95,7 +102,10 @@ def validate_file(path: str, flag: str) -> list[str]:
     """Problems with ``path`` as a file to write (its folder created if missing): a folder in its place, or a
     folder for it that cannot be made or written. Nothing is created."""
     p = Path(path)
-    if p.is_dir():
-        return [f"{flag} '{path}' is a folder: give a file name"]
+    try:
+        if p.is_dir():
+            return [f"{flag} '{path}' is a folder: give a file name"]
+    except OSError as e:
+        return [f"{flag} '{path}' cannot be reached ({e.strerror or e}): pick a folder you can write to"]
     return [e.replace(f"{flag} '{p.parent}'", f"{flag} '{path}': its folder '{p.parent}'", 1)
             for e in validate_dir(str(p.parent), flag)]

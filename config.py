@@ -470,8 +470,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     # machine's
     errors += validate_gpu_ids(args.gpu_ids, machine=args.ray_address in (None, "local"))
     errors += validate_dir(args.save_model_dir, "--save-model-dir")
-    errors += validate_dir(args.log_dir, "--log-dir")
-    errors += log_file_problems(args)
+    log_dir_errors = validate_dir(args.log_dir, "--log-dir")
+    errors += log_dir_errors or log_file_problems(args)  # the files in it, where the folder itself will do
     if not any("--gpu-ids" in e for e in errors):
         errors += validate_precision(args)
     return errors

@@ -574,8 +574,9 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
     return line + (f"; not the card's protocol: {', '.join(differs)}" if differs else "")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_before_start(args: argparse.Namespace) -> list[str] | tuple:
+    """The checks made before any game: the problems (one line each), or the model's state_dict, its sha256, the
+    object its file holds and its path (all None with ``--random-actions``)."""
     errors = validate(args)
     state_dict, model_sha256, obj, path = None, None, None, None
     if not args.random_actions:  # which model plays does not matter then, nor whether two cards claim the env
@@ -599,10 +600,20 @@ def main(argv: list[str] | None = None) -> int:
             if "does not exist" in msg:
                 msg += missing_model_hint(args)
             errors.append(msg)
-    if errors:
-        for e in errors:
+    return errors or (state_dict, model_sha256, obj, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        checked = check_before_start(args)
+    except PermissionError as e:  # a folder on the way that this user cannot enter (Path.exists raises EACCES)
+        checked = [f"'{e.filename}' cannot be read ({e.strerror}): pick folders this user can read and write"]
+    if isinstance(checked, list):
+        for e in checked:
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    state_dict, model_sha256, obj, path = checked
     for line in args.precision_warnings:
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     other_game = None if args.random_actions else trained_on_another_game(path, model_sha256, obj, args.env)

@@ -385,10 +385,10 @@ def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | No
     return average
 
 
-def main(argv: list[str] | None = None) -> int:
-    stop = globals().get("STOP") or lifeline.StopSignals().install()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, Path | None]:
+    """Every check made before anything is written (the flags, the file to resume, the folders to write in);
+    exits 2 with one line per problem. Returns the env's action count and, with ``--load``, the checkpoint (or
+    None for a bare ``.dat``), its weights and its path."""
     errors = validate(args)
     if errors:
         fail(errors)
@@ -466,6 +466,17 @@ def main(argv: list[str] | None = None) -> int:
                             f"--load (it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
                             f"--save-model-dir DIR with another folder")
     fail(problems)
+    return n_actions, resume_ckpt, resume_sd, resume_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = globals().get("STOP") or lifeline.StopSignals().install()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        n_actions, resume_ckpt, resume_sd, resume_path = check_before_start(args)
+    except PermissionError as e:  # a folder on the way that this user cannot enter (Path.exists raises EACCES)
+        fail([f"'{e.filename}' cannot be read ({e.strerror}): pick folders this user can read and write"])
     if stop.signal is not None:  # before anything is written
         print(f"main.py: {stop.reason} before training started; nothing written", file=sys.stderr)
         return stop.exit_code

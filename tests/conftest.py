@@ -1,6 +1,7 @@
 """Shared fixtures: the repository root, a fast A3C flag set, and helpers to run entry points as subprocesses."""
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -21,6 +22,18 @@ def run_entry(script: str, *args: str, cwd: Path, timeout: float = 240, env_extr
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def deny_below(monkeypatch, folder: Path) -> None:
+    """Every ``stat`` of a path below ``folder`` fails with EACCES, as for a user who may not enter ``folder`` (the
+    tests run as root, whom the kernel never refuses). ``Path.exists``/``is_dir``/``is_file`` raise it on 3.11."""
+    real = Path.stat
+
+    def stat(self, *a, **k):
+        if Path(os.path.abspath(self)).is_relative_to(folder) and Path(os.path.abspath(self)) != folder:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "stat", stat)
 
 
 def always_noop_model(n_actions: int, hidden: int = 16, action: int = 0):

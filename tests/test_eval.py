@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, kill_session, processes_left, run_entry
+from conftest import ROOT, deny_below, kill_session, processes_left, run_entry
 from test_faults import START_SECONDS
 from model import expected_shapes
 
@@ -371,6 +371,25 @@ def test_outputs_and_model_paths_are_checked_before_any_game(tmp_path, model_dir
     line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--hidden-size", "32", *flags)
     assert line == f"gym_eval.py: error: {message.format(tmp=tmp_path)}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "afile", "models"]  # no game, no log
+
+
+@pytest.mark.parametrize("flag", ["--model-file", "--json"])
+def test_a_path_below_a_folder_that_cannot_be_entered(tmp_path, model_dir, monkeypatch, capsys, flag):
+    """A model file or --json below a folder this user may not enter (``Path.exists`` raises PermissionError there):
+    one line and exit 2, no game; before, a PermissionError traceback."""
+    import gym_eval
+    private = tmp_path / "private"
+    private.mkdir()
+    target = private / "inner" / "m.dat"
+    deny_below(monkeypatch, private)
+    code = gym_eval.main([*SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"), flag,
+                          str(target)])
+    assert code == 2
+    want = (f"'{target}' cannot be read (Permission denied): pick folders this user can read and write"
+            if flag == "--model-file" else
+            f"--json '{target}' cannot be reached (Permission denied): pick a folder you can write to")
+    assert capsys.readouterr().err.strip().splitlines() == [f"gym_eval.py: error: {want}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "private"]
 
 
 @pytest.mark.parametrize("name, message", [

@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from conftest import ROOT, run_entry
+from conftest import ROOT, deny_below, run_entry
 
 TINY = ["--workers", "2", "--hidden-size", "32", "--test-every-steps", "150", "--env-config", str(ROOT / "config.json")]
 UPSTREAM_LINE = re.compile(r"^\S+ \S+ : Time \d\dh \d\dm \d\ds, episode reward -?\d+\.0, episode length \d+, "
@@ -232,6 +233,32 @@ def test_an_output_folder_that_cannot_be_made_or_written(tmp_path, flag):
     assert line == (f"main.py: error: {flag} '/proc/a3g-runs' cannot be written ('/proc', where it would be "
                     f"created): pick a folder you can write to")
     assert not (tmp_path / "models").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("flag", ["--save-model-dir", "--log-dir", "--load-model-dir"])
+def test_a_folder_below_one_that_cannot_be_entered(tmp_path, monkeypatch, capsys, flag):
+    """A folder named below one this user may not enter: ``Path.exists`` raises PermissionError there. One line and
+    exit 2, nothing made; before, a PermissionError traceback (exit 1) from the checks."""
+    import lifeline
+    import main
+    private = tmp_path / "private"
+    private.mkdir()
+    target = private / "inner" / "x"
+    deny_below(monkeypatch, private)
+    given = {"--save-model-dir": str(tmp_path / "models"), "--log-dir": str(tmp_path / "logs"), flag: str(target)}
+    argv = [*TINY, *[x for kv in given.items() for x in kv], "--max-steps", "100"]
+    if flag == "--load-model-dir":
+        argv.append("--load")
+    monkeypatch.setattr(main, "STOP", lifeline.StopSignals("main.py"), raising=False)
+    with main_left_as_found(), pytest.raises(SystemExit) as e:
+        main.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = (f"main.py: error: '{target}' cannot be read (Permission denied): pick folders this user can read and write"
+            if flag == "--load-model-dir" else
+            f"main.py: error: {flag} '{target}' cannot be reached (Permission denied): pick a folder you can write to")
+    assert err == [want]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["private"] and not any(private.iterdir())
 
 
 @pytest.mark.parametrize("seed", ["-1", "4294967296"])
