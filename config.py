@@ -42,6 +42,15 @@ STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema
                     "confirm_every_steps")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: ``taskset``, a container's cpuset), which
+    ``os.cpu_count`` does not see."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
+
+
 def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
                         seed_help: str = "random seed; worker r uses seed + r",
                         log_dir_help: str = "folder for logs, CSVs and TensorBoard (default: logs/<env>; a GA3C-mode "
@@ -87,7 +96,7 @@ def resolve_mode(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.workers is None:
-        args.workers = os.cpu_count() or 1
+        args.workers = usable_cores()
     return args
 
 
@@ -98,7 +107,8 @@ class TrainParser(Parser):
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)  # --help and usage errors exit here
         # once more with a marker for the defaults of the flags that belong to one mode: which of them were given
-        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps",)
+        # and of the flags refused where they would change nothing
+        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps", "sync_seconds", "merge", "amsgrad")
         defaults = {d: self.get_default(d) for d in watched}
         self.set_defaults(**dict.fromkeys(watched, _NOT_GIVEN))
         try:
@@ -134,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "files stay --env's (default: --env)")
     p.add_argument("--workers", "-w", type=int, default=None,
                    help="A3G mode's training processes; giving it selects A3G mode unless --mode says otherwise "
-                        f"(default: the number of CPU cores, {os.cpu_count() or 1} here)")
+                        f"(default: the CPU cores this process may use, {usable_cores()} here)")
     p.add_argument("--num-steps", "-ns", type=int, default=20, help="rollout length in agent steps (default: %(default)s)")
     p.add_argument("--shared-optimizer", "-so", action=BoolFlag, default=True,
                    help="share the optimizer statistics between workers; --no-shared-optimizer gives each "
@@ -311,7 +321,7 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="adjust the numbers of trainers, predictors and agents by measured training throughput "
                         "(GA3C DYNAMIC_SETTINGS), within --dynamic-max (default: off)")
     g.add_argument("--dynamic-max", type=int, nargs=3, default=None, metavar=("NT", "NP", "NA"),
-                   help="upper bounds for --dynamic (lower bounds are 1); default: twice the starting "
+                   help="upper bounds for --dynamic (lower bounds are 1); default: twice the starting (at most 1,024) "
                         "--trainers, --predictors and --agents")
     g.add_argument("--dynamic-seconds", type=float, default=20.0,
                    help="--dynamic measures each setting this long (GA3C: 20 s) (default: %(default)s)")
@@ -456,6 +466,9 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors += [msg for ok, msg in checks if not ok and not (skip and msg.startswith(skip))]
     errors += size_problems(args, ("score_window", "workers", "agents", "envs_per_agent", "predictors", "trainers"))
     errors += confirm_problems(args)
+    if args.optimizer == "RMSprop" and args.amsgrad and "amsgrad" in getattr(args, "_given", ()):
+        errors.append("--amsgrad is Adam's variant and RMSprop has none, so it would change nothing: leave it out, or "
+                      "use --optimizer Adam")
     errors += [f"--{name.replace('_', '-')} must be < 2**63 (a step count the checkpoint holds), got {value}"
                for name in STEP_COUNT_FLAGS if (value := getattr(args, name)) >= STEP_COUNT_LIMIT]
     if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
@@ -464,6 +477,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
     errors += validate_train_envs(args)
+    errors += frame_flag_problems(args)
     errors += other_mode_flags(args)
     errors += validate_ray(args)
     # on a Ray cluster the GPUs are the nodes' (checked against the cluster's); a ``local`` cluster's are this
@@ -477,6 +491,25 @@ def validate(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def frame_flag_problems(args: argparse.Namespace) -> list[str]:
+    """A training run's ``--skip-rate`` (other than 4) where no id it plays (``--env``, ``--train-envs``) is a
+    NoFrameskip one, whose skip it sets, or ``--see-skipped-frames`` where every id is: either would change nothing
+    (an unknown id is refused elsewhere)."""
+    from environment import EnvIdError, resolve_env_id
+    try:
+        by_us = {e: resolve_env_id(e).frameskip_by_us for e in [args.env, *(args.train_envs or [])]}
+    except EnvIdError:
+        return []
+    errors = []
+    if args.skip_rate != 4 and not any(by_us.values()):
+        errors.append(f"--skip-rate {args.skip_rate} changes nothing here: it sets the skip of NoFrameskip ids, and "
+                      f"{', '.join(by_us)} skip{'s' if len(by_us) == 1 else ''} frames in the emulator; leave it out")
+    if args.see_skipped_frames and all(by_us.values()):
+        errors.append(f"--see-skipped-frames changes nothing here: NoFrameskip ids ({', '.join(by_us)}) show the max "
+                      f"over the skipped frames already; leave it out")
+    return errors
+
+
 def confirm_problems(args: argparse.Namespace) -> list[str]:
     """A ``--confirm-every-steps`` given where it would change nothing: without ``--target-score`` (it confirms a
     target), or not sooner than a step cadence ``--test-every-steps`` that is on."""
@@ -485,6 +518,10 @@ def confirm_problems(args: argparse.Namespace) -> list[str]:
     if args.target_score is None:
         return [f"--confirm-every-steps {args.confirm_every_steps}: the monitor confirms --target-score this often "
                 f"once a game reaches it, and no --target-score is given: add one, or leave the flag out"]
+    if args.test_every_steps == 0 and args.test_every_seconds == 0:
+        return [f"--confirm-every-steps {args.confirm_every_steps}: with --test-every-steps 0 and "
+                f"--test-every-seconds 0 the monitor plays its games back to back, so it would change nothing: "
+                f"leave it out"]
     if 0 < args.test_every_steps <= args.confirm_every_steps:
         return [f"--confirm-every-steps {args.confirm_every_steps} is not sooner than --test-every-steps "
                 f"{args.test_every_steps}, so it would change nothing: give a smaller one, or leave it out"]
@@ -617,9 +654,10 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
     """Problems with the GA3C flags (checked in either mode, so a typo never waits for ``--mode ga3c``); fills in
     the derived defaults of ``--agents``, ``--train-batch`` and ``--dynamic-max``."""
     if args.agents is None:
-        args.agents = os.cpu_count() or 1
+        args.agents = usable_cores()
     if args.dynamic_max is None:
-        args.dynamic_max = [2 * max(1, args.trainers), 2 * max(1, args.predictors), 2 * max(1, args.agents)]
+        args.dynamic_max = [min(2 * max(1, getattr(args, name)), SIZE_LIMITS[name])
+                            for name in ("trainers", "predictors", "agents")]
     if args.train_batch is None:
         args.train_batch = default_train_batch(max(1, most_agents(args)) * max(1, args.envs_per_agent))
     errors = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -633,8 +671,6 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
         problem = ordering_problem()
         if problem:
             errors.append(problem)
-    if args.mode == "ga3c" and args.distributed_step_size is not None:
-        errors.append("--distributed-step-size is for A3G workers; in GA3C mode every segment has --num-steps steps")
     if args.dynamic_seconds <= 0:
         errors.append(f"--dynamic-seconds must be > 0, got {args.dynamic_seconds:g}")
     errors += short_game_problems(args) + unused_ga3c_flags(args)
@@ -643,6 +679,9 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
                                       (args.trainers, args.predictors, args.agents)):
             if bound < start:
                 errors.append(f"--dynamic-max: the bound for {name} ({bound}) is below --{name} {start}")
+            elif bound > SIZE_LIMITS[name]:  # it sizes the run's shared state as --agents etc. do
+                errors.append(f"--dynamic-max: the bound for {name} must be at most {SIZE_LIMITS[name]:,}, got "
+                              f"{bound:,}")
     return errors
 
 
@@ -760,6 +799,9 @@ def short_games_line(args: argparse.Namespace) -> str | None:
             f"(--short-game-slots), not counted as learner games")
 
 
+MAX_SYNC_SECONDS = 86_400
+
+
 def validate_ray(args: argparse.Namespace) -> list[str]:
     """Problems with the multi-node flags (before anything connects to Ray)."""
     errors = []
@@ -767,9 +809,16 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
         errors.append(f"--nodes must be >= 1, got {args.nodes}")
     if args.sync_seconds <= 0:
         errors.append(f"--sync-seconds must be > 0, got {args.sync_seconds:g}")
+    elif args.sync_seconds > MAX_SYNC_SECONDS:  # a node's wait on it overflows beyond threading.TIMEOUT_MAX
+        errors.append(f"--sync-seconds must be at most {MAX_SYNC_SECONDS:,} (a day), got {args.sync_seconds:g}")
     if args.ray_address is None:
         if args.nodes > 1:
             errors.append(f"--nodes {args.nodes} needs --ray-address (auto, HOST:PORT, or local for one machine)")
+        unused = [f"--{d.replace('_', '-')}" for d in ("sync_seconds", "merge") if d in getattr(args, "_given", ())]
+        if unused:
+            errors.append(f"{', '.join(unused)}: only runs with --ray-address use {'them' if len(unused) > 1 else 'it'}"
+                          f" (a node's sync with the parameter server): add --ray-address, or leave "
+                          f"{'them' if len(unused) > 1 else 'it'} out")
         return errors
     if not args.ray_address.strip():
         errors.append("--ray-address is empty: give auto, HOST:PORT or local")
@@ -780,9 +829,6 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
     if args.ema_steps:
         errors.append("--ema-steps averages the weights where the optimizer steps, which on Ray is the parameter "
                       "server, not built for it: drop --ema-steps or --ray-address")
-    if args.mode == "ga3c":
-        errors.append("--ray-address runs A3G nodes; GA3C mode runs on one machine (drop --mode ga3c or "
-                      "--ray-address)")
     if all(g < 0 for g in args.gpu_ids) and len(args.gpu_ids) > 1:
         errors.append("--gpu-ids: give -1 once for the CPU")
     elif any(g < 0 for g in args.gpu_ids) and any(g >= 0 for g in args.gpu_ids):

@@ -566,6 +566,13 @@ class FlagsError(ValueError):
     """``--ga3c-flags`` that main.py's parser refuses; the message is its error."""
 
 
+def env_and_json_problems(opts: argparse.Namespace) -> list[str]:
+    """An ``--env`` that ale-py cannot make, and a ``--json`` that cannot be written (the benchmarks' common
+    flags)."""
+    problem = env_id_problem(opts.env)
+    return ([problem] if problem else []) + (validate_file(opts.json, "--json") if opts.json is not None else [])
+
+
 def _size_problems(opts: argparse.Namespace) -> list[str]:
     """The counts and durations that the measurement needs in range (a zero window measured nothing, no worker
     never starts stepping)."""

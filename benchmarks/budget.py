@@ -55,8 +55,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import model as model_module  # noqa: E402
-from benchmark import env_id_problem, machine, matmul_gflops, model_flops_per_step, our_step_ms  # noqa: E402
-from cli import Parser, validate_file  # noqa: E402
+from benchmark import env_and_json_problems, machine, matmul_gflops, model_flops_per_step, our_step_ms  # noqa: E402
+from cli import Parser  # noqa: E402
 from config import build_parser  # noqa: E402
 from ga3c.segment import ACT_FIELDS, Segment, activation_rows, cat_rows  # noqa: E402
 from ga3c.settings import Ga3cSettings  # noqa: E402
@@ -286,12 +286,7 @@ def check_options(opts: argparse.Namespace) -> list[str]:
                 if getattr(opts, name) < 1]
     if not problems and opts.train_batch > opts.envs:
         problems.append("--train-batch must be <= --envs (each segment is one env's)")
-    problem = env_id_problem(opts.env)
-    if problem:
-        problems.append(problem)
-    if opts.json is not None:
-        problems += validate_file(opts.json, "--json")
-    return problems
+    return problems + env_and_json_problems(opts)
 
 
 def main(argv=None) -> int:

@@ -125,10 +125,30 @@ def benchmark_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_options(opts: argparse.Namespace) -> list[str]:
+    """Every problem with the flags, each as one phrase, found before Ray starts or anything is measured (a zero
+    --sync-seconds had every node sync in a busy loop for the whole measurement, then a division by zero)."""
+    import math
+    from benchmark import env_and_json_problems
+    from config import MAX_SYNC_SECONDS
+    checks = [("workers", opts.workers >= 1, ">= 1"), ("rounds", opts.rounds >= 1, ">= 1"),
+              ("warmup", math.isfinite(opts.warmup) and opts.warmup >= 0, "a finite number of seconds >= 0"),
+              ("window", math.isfinite(opts.window) and opts.window > 0, "a finite number of seconds > 0"),
+              ("sync_seconds", 0 < opts.sync_seconds <= MAX_SYNC_SECONDS, f"> 0 and at most {MAX_SYNC_SECONDS:,}"),
+              ("scale_workers", opts.scale_workers >= 1, ">= 1"),
+              ("ps_gbit", math.isfinite(opts.ps_gbit) and opts.ps_gbit > 0, "a finite number > 0")]
+    problems = [f"--{name.replace('_', '-')} must be {bound}, got {getattr(opts, name)}"
+                for name, ok, bound in checks if not ok]
+    return problems + env_and_json_problems(opts)
+
+
 def main(argv=None) -> int:
     opts = benchmark_parser().parse_args(argv)
-    if opts.workers < 1 or opts.rounds < 1:
-        raise SystemExit("multinode.py: error: --workers and --rounds must be >= 1")
+    problems = check_options(opts)
+    if problems:
+        for problem in problems:
+            print(f"multinode.py: error: {problem}", file=sys.stderr)
+        return 2
     try:
         import ray  # noqa: F401
     except ImportError:

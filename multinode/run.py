@@ -85,8 +85,10 @@ def parse_address(address: str) -> tuple[str, int] | None:
         return None
     a = address.split("://", 1)[-1]
     host, sep, port = a.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not host.strip("[]"):
         raise RayConnectError(f"--ray-address {address!r}: expected auto, local or HOST:PORT (e.g. 10.0.0.1:6379)")
+    if not 1 <= int(port) <= 65535:
+        raise RayConnectError(f"--ray-address {address!r}: port {int(port)} is not a TCP port (1-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -107,6 +109,9 @@ def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
     try:
         with socket.create_connection(hp, timeout=timeout) as s:
             first = b"" if tls else first_frame_header(s, timeout)
+    except UnicodeError:  # a host name the resolver cannot encode (an empty or over-long label)
+        raise RayConnectError(f"--ray-address {address!r}: {hp[0]!r} is not a host name (e.g. 10.0.0.1 or "
+                              f"head.example.org)") from None
     except OSError as e:
         raise RayConnectError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the "
                               f"head with `ray start --head --port {hp[1]}` on {hp[0]}, or check the address "

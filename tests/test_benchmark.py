@@ -273,6 +273,11 @@ BAD_INPUT = [  # (script, flags, what the one error line says); {tmp} is the tes
     ("benchmark.py", ["--json", "{file}/x.json"], "--json '{file}/x.json': its folder '{file}' is a file"),
     ("benchmark.py", ["--out-dir", "{file}"], "--out-dir '{file}' is a file, not a folder"),
     ("benchmark.py", ["--out-dir", "{file}/run"], "--out-dir '{file}/run': '{file}' is a file, not a folder"),
+    ("multinode.py", ["--sync-seconds", "0"], "--sync-seconds must be > 0 and at most 86,400, got 0.0"),
+    ("multinode.py", ["--ps-gbit", "0"], "--ps-gbit must be a finite number > 0, got 0.0"),
+    ("multinode.py", ["--window", "nan"], "--window must be a finite number of seconds > 0, got nan"),
+    ("multinode.py", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("multinode.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
 ]
 
 

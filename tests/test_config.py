@@ -366,7 +366,11 @@ def test_a_confirm_cadence_that_would_change_nothing_is_refused_and_the_default_
     assert ("--confirm-every-steps 20000 is not sooner than --test-every-steps 20000, so it would change nothing: "
             "give a smaller one, or leave it out") in validate(
         parse("--confirm-every-steps", "20000", "--target-score", "20"))
-    assert validate(parse("--confirm-every-steps", "20000", "--target-score", "20", "--test-every-steps", "0")) == []
+    assert validate(parse("--confirm-every-steps", "20000", "--target-score", "20", "--test-every-steps", "0",
+                          "--test-every-seconds", "60")) == []
+    assert validate(parse("--confirm-every-steps", "20000", "--target-score", "20", "--test-every-steps", "0")) == [
+        "--confirm-every-steps 20000: with --test-every-steps 0 and --test-every-seconds 0 the monitor plays its games "
+        "back to back, so it would change nothing: leave it out"]  # before, accepted
     for argv in ([], ["--test-every-steps", "4000"], ["--target-score", "20", "--test-every-steps", "4000"]):
         assert validate(parse(*argv)) == []  # the default (5000) is never refused
 
@@ -389,3 +393,47 @@ def test_a_folder_for_the_crop_table_and_a_file_for_the_load_folder_are_named_as
     (tmp_path / "model.dat").write_bytes(b"x")
     assert (f"--load-model-dir '{tmp_path / 'model.dat'}' is a file, not a folder: give the folder that holds "
             f"<env>.ckpt or <env>.dat") in validate(parse("--load", "--load-model-dir", str(tmp_path / "model.dat")))
+
+
+def test_amsgrad_with_rmsprop_is_refused_and_either_alone_is_not():
+    """RMSprop has no AMSGrad variant (``make_optimizer`` drops the flag there): given with it, one line."""
+    assert validate(parse("--optimizer", "RMSprop", "--amsgrad")) == [
+        "--amsgrad is Adam's variant and RMSprop has none, so it would change nothing: leave it out, or use "
+        "--optimizer Adam"]
+    assert validate(parse("--optimizer", "RMSprop")) == validate(parse("--amsgrad")) == []
+
+
+def test_dynamic_max_has_the_size_limits_of_the_counts_it_bounds():
+    """--dynamic-max sizes the shared state (and the default --train-batch) as --agents etc. do; before, 100,000,000
+    agents passed and the run died of memory after taking its locks."""
+    assert validate(parse("--mode", "ga3c", "--dynamic", "--dynamic-max", "2", "2", "100000000")) == [
+        "--dynamic-max: the bound for agents must be at most 1,024, got 100,000,000"]
+    assert validate(parse("--mode", "ga3c", "--dynamic", "--dynamic-max", "1024", "4", "1024")) == []
+
+
+def test_the_default_worker_and_agent_counts_are_the_cores_this_process_may_use(monkeypatch):
+    """A run under ``taskset -c 0`` (or a container's cpuset) gets one worker, not one per core of the machine."""
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    args = parse("--mode", "ga3c")
+    assert validate(args) == [] and args.agents == 1
+    args = parse("--mode", "a3g")
+    assert validate(args) == [] and args.workers == 1
+
+
+def test_frame_flags_that_change_nothing_for_the_ids_played_are_refused():
+    """--skip-rate sets the skip of NoFrameskip ids only, --see-skipped-frames matters only for ids whose emulator
+    skips frames; given where no id played is of that kind, each was accepted and did nothing."""
+    assert validate(parse("--env", "ALE/Pong-v5", "--skip-rate", "2")) == [
+        "--skip-rate 2 changes nothing here: it sets the skip of NoFrameskip ids, and ALE/Pong-v5 skips frames in "
+        "the emulator; leave it out"]
+    assert validate(parse("--see-skipped-frames")) == [
+        "--see-skipped-frames changes nothing here: NoFrameskip ids (PongNoFrameskip-v4) show the max over the "
+        "skipped frames already; leave it out"]
+    # where one id played is of the kind the flag is for, it is kept; the default skip is never refused
+    assert validate(parse("--env", "ALE/Pong-v5", "--train-envs", "PongNoFrameskip-v4", "ALE/Pong-v5",
+                          "--skip-rate", "2")) == []
+    assert validate(parse("--env", "Pong-v0", "--see-skipped-frames")) == []
+    assert validate(parse("--env", "PongNoFrameskip-v4", "--train-envs", "Pong-v0", "PongNoFrameskip-v4",
+                          "--see-skipped-frames")) == []
+    assert validate(parse("--env", "ALE/Pong-v5", "--skip-rate", "4")) == []

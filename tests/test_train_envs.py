@@ -303,10 +303,14 @@ def test_a_resume_that_changes_what_the_games_show_says_so(tmp_path, saved, flag
     from main import see_skipped_change_line, see_skipped_line
     args, errors = parse(tmp_path, "--env", "Pong-v0", *flag)
     assert errors == [] and see_skipped_change_line({"env": "Pong-v0", **saved}, args) == line
-    # a run that plays NoFrameskip ids only: the flag changes nothing there, and no line says it does
+    # a run that plays NoFrameskip ids only: the flag changes nothing there, so it is refused, and no line says
+    # that a checkpoint's setting changes
     args, errors = parse(tmp_path, "--env", "PongNoFrameskip-v4", "--train-envs", "PongNoFrameskip-v4",
                          "PongNoFrameskip-v0", *flag)
-    assert errors == [] and see_skipped_change_line({"env": "PongNoFrameskip-v4", **saved}, args) == ""
+    assert errors == ([] if not flag else [
+        "--see-skipped-frames changes nothing here: NoFrameskip ids (PongNoFrameskip-v4, "
+        "PongNoFrameskip-v0) show the max over the skipped frames already; leave it out"])
+    assert see_skipped_change_line({"env": "PongNoFrameskip-v4", **saved}, args) == ""
     assert see_skipped_line(args) == ""
     args, errors = parse(tmp_path, "--env", "PongNoFrameskip-v4", "--train-envs", "PongNoFrameskip-v4", "Pong-v0",
                          *flag)
