@@ -14,7 +14,8 @@ half-written file in their place; a temporary file left by a process killed mid-
 says why and where, and leaves the previous file as it was. Every load uses ``torch.load(..., weights_only=True)``,
 and a file that cannot be read, is not ours, does not fit the model, or holds NaN or infinite weights raises
 ``ModelFileError`` with one line (a damaged file that still reads as finite weights of the right shapes is not
-found: torch does not check the archive's checksums).
+found: torch does not check the archive's checksums). Weights or optimizer statistics that went NaN or infinite (a
+run that diverged) are never written over a good file: ``refuse_non_finite`` raises ``DivergedError``.
 
 One run at a time writes into a folder: ``RunLock`` holds an ``flock`` on ``<folder>/.lock`` for the run's life
 (the kernel releases it when the process dies, however it dies).
@@ -49,6 +50,35 @@ class ModelFileError(ValueError):
 
 class CheckpointWriteError(RuntimeError):
     """A model file or checkpoint that could not be written; the message names the file and the reason."""
+
+
+class DivergedError(CheckpointWriteError):
+    """Weights or optimizer statistics that hold NaN or infinite values: the file is not written, so that the last
+    one written before, with finite values, stays the one ``--load`` resumes."""
+
+
+def tensors_in(obj, prefix: str = ""):
+    """``(name, tensor)`` for every tensor in ``obj``, through dicts, lists and tuples (an optimizer's
+    ``state_dict``: ``state.3.exp_avg``)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors_in(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors_in(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def refuse_non_finite(path: str | Path, **parts) -> None:
+    """Raise ``DivergedError`` (one line) where a floating-point tensor in one of ``parts`` (``model=state_dict``,
+    ``optimizer=state_dict``, ...) holds NaN or infinite values; ``path`` is the file that is then not written."""
+    bad = [f"{part} {name}" for part, obj in parts.items() if obj is not None
+           for name, t in tensors_in(obj) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise DivergedError(f"the run diverged: NaN or infinite values in {', '.join(bad[:3])}"
+                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; {path} is not written (the "
+                            f"last one written before is kept): resume from it with --load and a smaller --lr")
 
 
 class RunLockedError(RuntimeError):
@@ -120,18 +150,16 @@ def atomic_save(obj, path: str | Path) -> None:
 
 
 def remove_stale_temp_files(folder: str | Path) -> list[Path]:
-    """Remove the temporary files (``.<name>.tmp<pid>``) that a process killed while saving left in ``folder``,
-    those of processes that are no longer alive; return what was removed."""
+    """Remove the temporary files (``.<name>.tmp<pid>``) that a process killed while saving left in ``folder``;
+    return what was removed. Called with the folder's ``RunLock`` held and before this run starts a process, so
+    that no process writes there: each such file is a killed save's, whether or not its pid now names a living
+    process (pids are reused)."""
     removed = []
     folder = Path(folder)
     if not folder.is_dir():
         return removed
     for p in folder.iterdir():
-        m = TEMP_NAME.match(p.name)
-        if m is None or not p.is_file():
-            continue
-        pid = int(m.group("pid"))
-        if pid != os.getpid() and _pid_alive(pid):
+        if TEMP_NAME.match(p.name) is None or not p.is_file():
             continue
         try:
             p.unlink()
@@ -139,16 +167,6 @@ def remove_stale_temp_files(folder: str | Path) -> list[Path]:
         except OSError:
             pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:
@@ -161,23 +179,56 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / name
         self.fd = None
+        self.created = False  # whether this lock made the file (``remove`` takes it away again)
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            while True:
+                try:
+                    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    self.created = True
+                except FileExistsError:
+                    try:
+                        self.fd = os.open(self.path, os.O_RDWR)
+                    except FileNotFoundError:  # removed since: make it
+                        continue
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(self.fd)
+                    self.fd = None
+                    raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to "
+                                         f"stop, or pass {flag} DIR with another folder") from None
+                if self._holds_the_file_in_place():
+                    break
+                # its holder removed it (a refused start's clean-up) before letting go: a lock on it would be on a
+                # file no other run can see, so lock the one in its place
                 os.close(self.fd)
-                self.fd = None
-                raise RunLockedError(f"another run (pid {holder}) is writing to {self.folder}: wait for it to stop, "
-                                     f"or pass {flag} DIR with another folder") from None
+                self.fd, self.created = None, False
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException as e:  # the descriptor is closed whatever interrupted the locking
+            if self.fd is not None and self.created:
+                self.remove()
             self.release()
             if isinstance(e, OSError):
                 raise CheckpointWriteError(write_error_message(self.path, e)) from e
             raise
+
+    def _holds_the_file_in_place(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def remove(self) -> None:
+        """Remove the lock file, while still holding it (a run that locks it next finds it gone and makes a new
+        one), then let go."""
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.release()
 
     def release(self) -> None:
         if self.fd is not None:

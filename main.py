@@ -89,27 +89,43 @@ def folders_to_make(path: Path) -> list[Path]:
     return out
 
 
+def results_lines(path: Path) -> int:
+    """The lines in GA3C's ``results.txt`` at ``path`` (0 where there is none, or it is a folder: refused
+    elsewhere)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except (FileNotFoundError, IsADirectoryError):
+        return 0
+
+
 def take_locks(args: Namespace) -> list[RunLock]:
     """This run's locks: ``--save-model-dir``'s (``.lock``, one run per folder) and ``--log-dir``'s for this env
-    (``.<env>.lock``: runs of other envs may share a log folder, as upstream's ``logs/``), the folders made as
-    needed. Where another run holds either, raises ``RunLockedError``, and where a folder or lock file cannot be
+    (``.<env>.lock``: runs of other envs may share a log folder, as upstream's ``logs/``; in GA3C mode also
+    ``.results.lock``, since ``results.txt`` is one per folder), the folders made as needed. Where another run holds either, raises ``RunLockedError``, and where a folder or lock file cannot be
     made or written (a full disk), ``CheckpointWriteError``, either with nothing of this attempt left on disk (the
     folders and lock files it made are removed)."""
-    made = folders_to_make(Path(args.save_model_dir)) + folders_to_make(Path(args.log_dir))
     wanted = [(Path(args.save_model_dir), "--save-model-dir", ".lock"),
               (Path(args.log_dir), "--log-dir", f".{safe_name(args.env)}.lock")]
-    new_files = [folder / name for folder, _, name in wanted if not (folder / name).exists()]
-    locks = []
+    if args.mode == "ga3c" and args.ray_address is None:
+        wanted.append((Path(args.log_dir), "--log-dir", ".results.lock"))
+    made, locks = [], []
     try:
         for folder, flag, name in wanted:
             with write_errors(folder):
-                folder.mkdir(parents=True, exist_ok=True)
+                for path in reversed(folders_to_make(folder)):
+                    try:
+                        path.mkdir()
+                    except FileExistsError:  # another run made it meanwhile: its folder, not this attempt's
+                        continue
+                    made.append(path)
             locks.append(RunLock(folder, flag, name))
     except BaseException:  # another run's lock, a full disk, or a second Ctrl-C: leave nothing of this attempt
-        for lock in locks:
-            lock.release()
-        for path in new_files:
-            path.unlink(missing_ok=True)
+        for lock in locks:  # only lock files this attempt made, removed while it holds them
+            if lock.created:
+                lock.remove()
+            else:
+                lock.release()
         for folder in sorted(set(made), key=lambda p: len(p.parts), reverse=True):
             try:
                 folder.rmdir()
@@ -122,6 +138,12 @@ def take_locks(args: Namespace) -> list[RunLock]:
 def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` is an allocation that failed (Python's MemoryError, or torch's allocator error)."""
     return isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e)
+
+
+def shared_memory_full(e: BaseException) -> bool:
+    """Whether ``e`` is torch failing to make a shared-memory file (``/dev/shm/torch_<pid>_...``) for the weights
+    and statistics the processes share: a full or small ``/dev/shm`` (Docker's default is 64 MB)."""
+    return isinstance(e, RuntimeError) and "</torch_" in str(e)
 
 
 def first_line(e: BaseException) -> str:
@@ -454,6 +476,13 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
                "with another folder")
         problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) of an earlier run, "
                         f"and this run would add its own to them: {how} (or move the file away)")
+    results = Path(args.log_dir) / "results.txt"  # GA3C's, one per log folder: its lines do not name the env
+    results_games = results_lines(results) if args.mode == "ga3c" and args.ray_address is None else 0
+    if results_games and not (args.load and same_dir):
+        problems.append(f"{results} holds {results_games} game(s) of an earlier GA3C run (of this env or another), "
+                        f"and this run would add its own to them: to continue that run, pass --load (with its "
+                        f"--save-model-dir); to start afresh, pass --log-dir DIR with another folder (or move the "
+                        f"file away)")
     existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                 if p.exists()]
     folders = [p for p in existing if p.is_dir()]
@@ -563,6 +592,11 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         run = mode.run
         mode.average_model = start_average(args, shared_model, resume_ckpt, resume_path, log)
     except (MemoryError, RuntimeError) as e:
+        if shared_memory_full(e):
+            log.info(f"main.py: error: the shared memory is full ({first_line(e)}): free space in /dev/shm (in a "
+                     f"container, give it more: docker run --shm-size 2g), or use a smaller --hidden-size or fewer "
+                     f"processes or env slots")
+            return 2
         if not out_of_memory(e):
             raise
         log.info(f"main.py: error: not enough memory on this machine for the run ({first_line(e)}): use a "

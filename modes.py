@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, atomic_save, checkpoint_path, cpu_state_dict, model_path
+from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, atomic_save, checkpoint_path, cpu_state_dict, model_path,
+                        refuse_non_finite)
 from config import config_dict
 from model import A3Clstm
 from run_state import RunState
@@ -47,6 +48,7 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.opt
     }
     if average_model is not None:
         ckpt["average_model"] = cpu_state_dict(average_model)
+    refuse_non_finite(path, model=ckpt["model"], optimizer=ckpt["optimizer"], average_model=ckpt.get("average_model"))
     atomic_save(ckpt, path)
     return path
 
@@ -110,7 +112,9 @@ class Mode(Protocol):
         path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot(),
                                self.average_model)
         if final and not self.args.save_max:
-            atomic_save(cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env))
+            weights, dat = cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env)
+            refuse_non_finite(dat, model=weights)
+            atomic_save(weights, dat)
         return path
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from argparse import Namespace
 import torch
 
 from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointWriteError, ModelFileError, atomic_save,
-                        checkpoint_path, is_checkpoint, model_path, read_weights)
+                        checkpoint_path, is_checkpoint, model_path, read_weights, refuse_non_finite)
 from multinode.merge import apply_change, clone_weights, merge_scale
 
 
@@ -166,6 +166,7 @@ class ParameterServer:
         }
         path = checkpoint_path(self.args.save_model_dir, self.args.env)
         try:
+            refuse_non_finite(path, model=ckpt["model"], optimizer=ckpt["optimizer"])
             atomic_save(ckpt, path)
             if write_model:
                 atomic_save(ckpt["model"], model_path(self.args.save_model_dir, self.args.env))

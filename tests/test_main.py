@@ -537,6 +537,26 @@ def test_a_second_ctrl_c_before_the_run_proper_is_one_line_and_stops_nothing_it_
     RunLock(tmp_path / "models").release()  # the lock was released: another run can take it
 
 
+def test_a_full_shared_memory_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """torch puts the shared model, optimizer statistics and run state in /dev/shm files; a full or small one
+    (Docker's default is 64 MB) fails there with a RuntimeError that is not an allocator's. Before, a traceback and
+    exit 1; now one line that says where the space is needed."""
+    import lifeline
+    import main
+
+    def shm_full(*args, **kwargs):
+        raise RuntimeError("unable to write to file </torch_4242_1729_0>: No space left on device (28)")
+    monkeypatch.setattr(main, "A3gRun", shm_full)
+    assert main_in_process(monkeypatch, tmp_path, lifeline.StopSignals("main.py")) == 2
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "main.py: error: the shared memory is full (unable to write to file </torch_4242_1729_0>: No space left on "
+        "device (28)): free space in /dev/shm (in a container, give it more: docker run --shm-size 2g), or use a "
+        "smaller --hidden-size or fewer processes or env slots"), out
+    assert "Traceback" not in out.out + out.err and not (tmp_path / "models" / "PongNoFrameskip-v4.ckpt").exists()
+
+
 @pytest.mark.parametrize("failure", [
     MemoryError(),
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
@@ -896,6 +916,46 @@ def test_a_monitor_csv_is_the_checkpoints_where_its_run_wrote_it_or_where_its_fi
     assert not monitor_csv_is_the_checkpoints([-21.0, -20.0, -18.0], ckpt, "moved/logs")  # other scores
     # a checkpoint taken before its first game cannot tell: games in the CSV may be its run's, played after it
     assert monitor_csv_is_the_checkpoints([-21.0], {"config": {}}, "moved/logs")
+
+
+def test_a_fresh_ga3c_run_is_refused_where_results_txt_has_games(tmp_path):
+    """GA3C's results.txt is one per log folder and its lines do not name the env: a fresh GA3C run of another env
+    in that folder appended its games to the earlier run's (plot.py then drew one curve of two games). Refused in
+    one line like a monitor CSV with games; nothing written."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    results = logs / "results.txt"
+    results.write_text("2026-11-29 10:00:00, -21, 812\n2026-11-29 10:00:09, -20, 901\n")
+    r = run_entry("main.py", "--mode", "ga3c", "--agents", "1", "--hidden-size", "32", "--env",
+                  "BreakoutNoFrameskip-v4", *dirs(tmp_path), "--max-steps", "100", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"main.py: error: {results} holds 2 game(s) of an earlier GA3C run (of this env or another), and this run "
+        f"would add its own to them: to continue that run, pass --load (with its --save-model-dir); to start "
+        f"afresh, pass --log-dir DIR with another folder (or move the file away)\n")
+    assert [p.name for p in logs.iterdir()] == ["results.txt"] and not (tmp_path / "models").exists()
+
+
+def test_ga3c_runs_of_two_envs_do_not_share_a_log_folder_at_once(tmp_path):
+    """The log folder's lock is per env (``.<env>.lock``), so that A3G runs of other games can share ``logs/``;
+    GA3C mode also takes ``.results.lock``, so a second GA3C run, of any env, is refused while one writes
+    results.txt there. A3G mode, which writes no results.txt, does not take it."""
+    import main
+    from checkpoint import RunLock, RunLockedError
+    from config import build_parser
+
+    def build_args(tmp_path, *flags):
+        return build_parser().parse_args([*dirs(tmp_path), *flags])
+    (tmp_path / "logs").mkdir()
+    first = RunLock(tmp_path / "logs", "--log-dir", ".results.lock")  # a GA3C run of another env
+    try:
+        ga3c = build_args(tmp_path, "--mode", "ga3c", "--env", "BreakoutNoFrameskip-v4")
+        with pytest.raises(RunLockedError, match="pass --log-dir DIR with another folder"):
+            main.take_locks(ga3c)
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [".results.lock"]
+        for lock in main.take_locks(build_args(tmp_path, "--mode", "a3g")):
+            lock.release()
+    finally:
+        first.release()
 
 
 def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_has_games(tmp_path):

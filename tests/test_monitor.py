@@ -44,23 +44,27 @@ def test_confirm_every_steps_default_and_bad_values():
         assert line in validate(build_parser().parse_args(["--confirm-every-steps", value]))
 
 
-def play_scripted(tmp_path, monkeypatch, scores, flags, window=3):
+def play_scripted(tmp_path, monkeypatch, scores, flags, window=3, shared_model=None, after_game=None):
     """Runs ``run_monitor`` on games that score ``scores`` in turn; while it waits for the next game, each of its
-    sleeps advances the global step count by 500. Returns the global steps at which each game started and the
-    monitor's console lines; the loop ends at the start of the game after the last score."""
+    sleeps advances the global step count by 500. Returns the global steps at which each game started, the
+    monitor's console lines, and whether ``run.target_reached`` was set at each game's start; the loop ends at the
+    start of the game after the last score. ``after_game(n)`` is called at the end of game n (from 1)."""
     args = build_parser().parse_args(["--hidden-size", "32", "--score-window", str(window), "--log-dir",
                                       str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *flags])
     assert validate(args) == []
     (tmp_path / "logs").mkdir()
     (tmp_path / "models").mkdir()
     run = RunState(1, window)
-    starts = []
+    starts, reached = [], []
 
     def game(model, env, device, seed=None, should_stop=None, **kw):
         starts.append(run.global_steps.value)
+        reached.append(run.target_reached.is_set())
         if len(starts) > len(scores):
             run.stop.set()
             return 0.0, 1, False
+        if after_game is not None:
+            after_game(len(starts))
         return scores[len(starts) - 1], 1000, True
 
     def sleep(seconds):
@@ -71,8 +75,8 @@ def play_scripted(tmp_path, monkeypatch, scores, flags, window=3):
     monkeypatch.setattr(monitor.time, "sleep", sleep)
     monkeypatch.setattr(monitor, "setup_logger", lambda name, path, console=False: _Lines(lines) if console
                         else _Lines([]))
-    monitor.run_monitor(args, A3Clstm(1, 6, 32), run, torch.device("cpu"))
-    return starts, lines
+    monitor.run_monitor(args, A3Clstm(1, 6, 32) if shared_model is None else shared_model, run, torch.device("cpu"))
+    return starts, lines, reached
 
 
 class _Lines:
@@ -85,7 +89,7 @@ class _Lines:
 
 def test_the_monitor_confirms_a_game_at_the_target_sooner_and_goes_back_when_none_is_left(tmp_path, monkeypatch):
     # window 3: after game 2 (20) the window holds a game at the target until game 5 pushes it out
-    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, -21.0, -21.0, -21.0],
+    starts, lines, _ = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, -21.0, -21.0, -21.0],
                                   ["--target-score", "20"])
     assert starts == [0, 20000, 25000, 30000, 35000, 55000]
     changes = [line for line in lines if "global steps until none does" in line or "back to" in line]
@@ -96,16 +100,47 @@ def test_the_monitor_confirms_a_game_at_the_target_sooner_and_goes_back_when_non
 
 @pytest.mark.parametrize("flags", [["--target-score", "20", "--confirm-every-steps", "0"], []])
 def test_without_a_target_or_with_confirming_off_the_cadence_is_test_every_steps(tmp_path, monkeypatch, flags):
-    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 21.0, 20.0], flags)
+    starts, lines, _ = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 21.0, 20.0], flags)
     assert starts == [0, 20000, 40000, 60000, 80000]
     assert not [line for line in lines if "until none does" in line or "back to" in line]
 
 
 def test_the_confirming_cadence_reaches_the_target_and_stops_sooner(tmp_path, monkeypatch):
-    # --target-score stops a run through run.target_reached; here the mean of 3 games reaches 20 at game 4
-    starts, _ = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 20.0, 20.0], ["--target-score", "20",
-                                                                                   "--confirm-every-steps", "3000"])
+    # --target-score stops a run through run.target_reached; here the mean of 3 games reaches 20 (exactly: the
+    # target is reached at equality) at game 4, and not before
+    starts, _, reached = play_scripted(tmp_path, monkeypatch, [-21.0, 20.0, 20.0, 20.0],
+                                       ["--target-score", "20", "--confirm-every-steps", "3000"])
     assert starts == [0, 20000, 23000, 26000, 29000]
+    assert reached == [False, False, False, False, True]
+
+
+def test_a_mean_just_below_the_target_does_not_stop_the_run(tmp_path, monkeypatch):
+    _, _, reached = play_scripted(tmp_path, monkeypatch, [20.0, 20.0, 19.0, 21.0],
+                                  ["--target-score", "20", "--confirm-every-steps", "3000"])
+    assert reached == [False, False, False, False, True]  # 19.67 after game 3; 20.0 after game 4
+
+
+def test_weights_gone_nan_end_the_monitor_before_a_game_and_keep_the_last_model_file(tmp_path, monkeypatch):
+    """A run that diverged: the shared weights hold NaN after game 2. The monitor plays no game on them and
+    writes no .dat: it raises DivergedError (one line, reported by the process), and the .dat of game 2 stays.
+    Before, the NaN weights were played and written over the last good model file."""
+    from checkpoint import DivergedError, read_weights
+    shared = A3Clstm(1, 6, 32)
+
+    def poison(n):
+        if n == 2:
+            with torch.no_grad():
+                shared.actor_linear.weight[0, 0] = float("nan")
+    with pytest.raises(DivergedError) as e:
+        play_scripted(tmp_path, monkeypatch, [-21.0, -20.0, -19.0], [], shared_model=shared, after_game=poison)
+    dat = tmp_path / "models" / "PongNoFrameskip-v4.dat"
+    assert str(e.value) == (f"the run diverged: NaN or infinite values in model actor_linear.weight; {dat} is not "
+                            f"written (the last one written before is kept): resume from it with --load and a "
+                            f"smaller --lr")
+    saved = read_weights(dat)
+    assert torch.isnan(shared.actor_linear.weight[0, 0]) and saved["actor_linear.weight"][0, 0].isfinite()
+    rows = (tmp_path / "logs" / "PongNoFrameskip-v4_monitor.csv").read_text().splitlines()
+    assert [r.split(",")[3] for r in rows[1:]] == ["-21.0", "-20.0"]
 
 
 def test_a_resumed_window_with_a_game_at_the_target_confirms_from_its_first_game(tmp_path, monkeypatch):
@@ -117,6 +152,6 @@ def test_a_resumed_window_with_a_game_at_the_target_confirms_from_its_first_game
         real(self, *a, **k)
         self.record_game(20.0)
     monkeypatch.setattr(RunState, "__init__", restored)
-    starts, lines = play_scripted(tmp_path, monkeypatch, [-21.0, -21.0, -21.0], ["--target-score", "20"])
+    starts, lines, _ = play_scripted(tmp_path, monkeypatch, [-21.0, -21.0, -21.0], ["--target-score", "20"])
     assert starts == [0, 5000, 10000, 30000]
     assert lines[-1] == "[monitor] none of the last 3 games scored at least 20: back to --test-every-steps 20000"

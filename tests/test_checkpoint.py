@@ -1,0 +1,160 @@
+"""Writing model files and checkpoints: a run that diverged never writes over a good file, the folder lock under
+a refused start, and the temporary files a killed save leaves."""
+import math
+
+import pytest
+import torch
+
+from checkpoint import (DivergedError, RunLock, RunLockedError, checkpoint_path, model_path, read_weights,
+                        remove_stale_temp_files)
+from config import build_parser, validate
+from model import A3Clstm
+from modes import Mode, save_checkpoint
+from run_state import RunState
+from shared_optim import make_optimizer
+
+
+def run_args(tmp_path, *flags):
+    args = build_parser().parse_args(["--mode", "a3g", "--workers", "1", "--hidden-size", "32", "--save-model-dir",
+                                      str(tmp_path / "m"), "--log-dir", str(tmp_path / "l"), *flags])
+    assert validate(args) == []
+    (tmp_path / "m").mkdir()
+    return args
+
+
+def trained(args):
+    """A model and a shared Adam with statistics in it (one step taken), and the run's counters."""
+    model = A3Clstm(1, 6, 32)
+    opt = make_optimizer("Adam", model.parameters(), 1e-3, shared=True)
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    return model, opt, RunState(1, 3)
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer", "average_model"])
+def test_a_checkpoint_with_nan_or_inf_is_not_written_over_the_last_good_one(tmp_path, where):
+    """Hogwild or a too large --lr can drive the weights (and Adam's statistics) to NaN. Before, every save wrote
+    them over the only checkpoint, and --load then refused it: nothing to resume. Now the save raises
+    DivergedError, one line naming the tensor, and the previous checkpoint stays byte for byte."""
+    args = run_args(tmp_path)
+    model, opt, run = trained(args)
+    average = A3Clstm(1, 6, 32)
+    path = save_checkpoint(args, model, opt, run, 1.0, average_model=average)
+    good = path.read_bytes()
+    with torch.no_grad():
+        if where == "model":
+            model.critic_linear.bias.fill_(float("inf"))
+        elif where == "average_model":
+            average.lstm.weight_hh.view(-1)[7] = float("nan")
+        else:
+            opt.state[next(iter(model.parameters()))]["exp_avg_sq"].view(-1)[3] = float("nan")
+    with pytest.raises(DivergedError) as e:
+        save_checkpoint(args, model, opt, run, 2.0, average_model=average)
+    name = {"model": "model critic_linear.bias", "average_model": "average_model lstm.weight_hh",
+            "optimizer": "optimizer state.0.exp_avg_sq"}[where]
+    assert str(e.value) == (f"the run diverged: NaN or infinite values in {name}; {path} is not written (the last "
+                            f"one written before is kept): resume from it with --load and a smaller --lr")
+    assert path.read_bytes() == good and read_weights(path)["elapsed_seconds"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["PongNoFrameskip-v4.ckpt"]  # no temporary file
+
+
+def test_the_final_model_file_of_a_diverged_run_is_not_written(tmp_path):
+    """``Mode.save(final=True)`` writes the .dat after the checkpoint; weights gone NaN write neither."""
+    args = run_args(tmp_path)
+    model, opt, run = trained(args)
+
+    class Bare(Mode):  # Mode's own save, with the fields it reads
+        describe = restore = slot_of = launch = expected_exit = status = None
+    mode = Bare()
+    mode.args, mode.shared_model, mode.optimizer, mode.run, mode.average_model = args, model, opt, run, None
+    mode.save(1.0, final=True)
+    dat = model_path(args.save_model_dir, args.env)
+    good = {p: p.read_bytes() for p in (dat, checkpoint_path(args.save_model_dir, args.env))}
+    with torch.no_grad():
+        model.actor_linear.weight[0, 0] = float("nan")
+    with pytest.raises(DivergedError, match="model actor_linear.weight;"):
+        mode.save(2.0, final=True)
+    assert {p: p.read_bytes() for p in good} == good
+
+
+def test_the_parameter_server_does_not_write_a_diverged_checkpoint(tmp_path):
+    from multinode.ps import ParameterServer
+    args = run_args(tmp_path, "--ray-address", "local", "--nodes", "1")
+    start = {k: v.clone() for k, v in A3Clstm(1, 6, 32).state_dict().items()}
+    fields = {"best_score": -21.0, "elapsed_seconds": 3.0, "config": {}, "monitor": torch.zeros(3, dtype=torch.float64),
+              "recent_scores": [], "monitor_norm_row": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
+    ps = ParameterServer(args, "run-1")
+    ok, path = ps.begin(start, 100, None, dict(fields))
+    good = checkpoint_path(args.save_model_dir, args.env).read_bytes()
+    ps.weights["critic_linear.bias"][0] = math.nan
+    ok, line = ps.save(dict(fields), write_model=True)
+    assert not ok and line.startswith("the run diverged: NaN or infinite values in model critic_linear.bias;")
+    assert checkpoint_path(args.save_model_dir, args.env).read_bytes() == good
+    assert not model_path(args.save_model_dir, args.env).exists()
+
+
+def test_a_temporary_file_of_a_pid_alive_again_is_removed_under_the_lock(tmp_path):
+    """Under the folder's lock no other process writes there, so every ``.<name>.tmp<pid>`` is a killed save's,
+    also where its pid now belongs to another process (pids are reused, small ones at once in a container).
+    Before, a file whose pid was alive (here pid 1) stayed for ever."""
+    lock = RunLock(tmp_path)
+    try:
+        for name in (".PongNoFrameskip-v4.ckpt.tmp1", ".PongNoFrameskip-v4.dat.tmp999999999"):
+            (tmp_path / name).write_bytes(b"partial")
+        (tmp_path / "keep.tmp1").write_bytes(b"not ours")
+        removed = remove_stale_temp_files(tmp_path)
+    finally:
+        lock.release()
+    assert sorted(p.name for p in removed) == [".PongNoFrameskip-v4.ckpt.tmp1", ".PongNoFrameskip-v4.dat.tmp999999999"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "keep.tmp1"]
+
+
+def test_a_lock_taken_between_a_refused_runs_checks_stays_with_its_holder(tmp_path, monkeypatch):
+    """Run A makes and locks ``.lock`` (and the folder) just after run B has looked for them and before B tries
+    the lock. B is refused, and must leave A's files alone: before, B removed the lock file A holds (it had not
+    been there when B looked), so a third run C made a new one, locked it, and ran beside A in one folder."""
+    import main
+    args = build_parser().parse_args(["--save-model-dir", str(tmp_path / "models"), "--log-dir", str(tmp_path / "logs")])
+    real = main.RunLock
+    held = []
+
+    def a_first(folder, flag="--save-model-dir", name=".lock"):
+        if not held:  # A, between B's look and B's lock
+            held.append(real(folder, flag, name))
+        return real(folder, flag, name)
+    monkeypatch.setattr(main, "RunLock", a_first)
+    with pytest.raises(RunLockedError):
+        main.take_locks(args)
+    try:
+        assert (tmp_path / "models" / ".lock").is_file()
+        with pytest.raises(RunLockedError):  # C
+            RunLock(tmp_path / "models")
+    finally:
+        held[0].release()
+    assert not (tmp_path / "logs").exists()  # B stopped at the first lock: its second folder was never made
+
+
+def test_a_lock_file_removed_while_it_was_being_locked_is_made_again(tmp_path, monkeypatch):
+    """B opens ``.lock``; its holder removes it and lets go before B's flock. B's lock is then on a file no longer
+    in the folder, and another run could make and lock a new one: ``RunLock`` must end holding the file that is
+    there."""
+    import checkpoint
+    import fcntl
+    import os
+    (tmp_path / ".lock").write_text("4242\n")
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock(fd, op):
+        if not calls and op & fcntl.LOCK_EX:
+            os.unlink(tmp_path / ".lock")  # the former holder's clean-up, between B's open and B's flock
+        calls.append(op)
+        return real_flock(fd, op)
+    monkeypatch.setattr(checkpoint.fcntl, "flock", flock)
+    lock = RunLock(tmp_path)
+    try:
+        assert os.fstat(lock.fd).st_ino == os.stat(tmp_path / ".lock").st_ino
+        with pytest.raises(RunLockedError):
+            RunLock(tmp_path)
+    finally:
+        lock.release()
