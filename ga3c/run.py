@@ -240,8 +240,9 @@ class Ga3cRun(Mode):
         hist = self.counters.lag_snapshot()  # read once: the end of this stretch and the start of the next
         lag_mean, lag_max, _ = self.counters.lag_summary(self._status_hist, hist)
         self._status_hist = hist
-        updates, trained = self.counters.version, self.trained_steps()
+        updates = self.counters.version
         fence(ACQUIRE)  # the trainers' statistics are read after the update counts (record_update's release fence)
+        trained = self.trained_steps()
         ups = (updates - self._status_updates) / max(span, 1e-9)
         tps = (trained - self._status_trained) / max(span, 1e-9)
         self._status_updates, self._status_trained = updates, trained

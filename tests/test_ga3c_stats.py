@@ -154,6 +154,21 @@ def test_the_game_log_and_the_update_counts_are_published_and_read_across_a_fenc
     assert seen == [(module.RELEASE, 0, 20.0)]  # the statistics in, the update not yet counted
 
 
+def test_the_status_line_reads_the_trainers_statistics_after_its_acquire_fence(tmp_path, monkeypatch):
+    """The status line loads the update count, then fences, then the trainers' statistics (the trained steps): a
+    fence that adds 20 trained steps shows whether that load comes after it. Before, the trained steps were loaded
+    before the fence, so on a weakly ordered CPU they could lag the update count they are paired with."""
+    import ga3c.run as module
+    run = small_ga3c_run(tmp_path)
+    steps = module.TRAINER_FIELDS.index("steps")
+
+    def a_batch_lands(order):
+        run.counters.trainer_stats[0, steps] += 20
+    monkeypatch.setattr(module, "fence", a_batch_lands)
+    _, scalars = run.status(rate=100.0, span=1.0)
+    assert scalars["charts/trained_steps_per_s"] == 20.0
+
+
 def test_a_results_file_that_cannot_be_opened_is_one_line(tmp_path):
     from checkpoint import CheckpointWriteError
     (tmp_path / "results.txt").mkdir()
