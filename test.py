@@ -131,7 +131,10 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
         from torch.utils.tensorboard import SummaryWriter
         tb = SummaryWriter(str(Path(args.log_dir) / "runs" / f"{safe_name(args.env)}_training"))
     start = time.time()
-    best_saved = max(0.0, run.monitor[2].item(), -math.inf if logged_best is None else logged_best)
+    # a resumed run's best, so that a model saved after its last checkpoint is not replaced by a worse one; where
+    # the save folder holds no model (a resume into another --save-model-dir), upstream's start, 0
+    best_saved = (max(0.0, run.monitor[2].item(), -math.inf if logged_best is None else logged_best)
+                  if model_path(args.save_model_dir, args.env).exists() else 0.0)
     last_t, last_steps = start, run.global_steps.value
     # the first game's seed follows the learners' first ones: an A3G worker r plays seed + r, a GA3C env slot s
     # seed + s (its row of norm_stats, as the monitor's row is the last), so the monitor's opening is no learner's

@@ -53,7 +53,7 @@ def play_scripted(tmp_path, monkeypatch, scores, flags, window=3, shared_model=N
                                       str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *flags])
     assert validate(args) == []
     (tmp_path / "logs").mkdir()
-    (tmp_path / "models").mkdir()
+    (tmp_path / "models").mkdir(exist_ok=True)
     run = RunState(1, window)
     starts, reached = [], []
 
@@ -155,3 +155,23 @@ def test_a_resumed_window_with_a_game_at_the_target_confirms_from_its_first_game
     starts, lines, _ = play_scripted(tmp_path, monkeypatch, [-21.0, -21.0, -21.0], ["--target-score", "20"])
     assert starts == [0, 5000, 10000, 30000]
     assert lines[-1] == "[monitor] none of the last 3 games scored at least 20: back to --test-every-steps 20000"
+
+
+@pytest.mark.parametrize("dat_there, written", [(False, True), (True, False)])
+def test_save_max_resumed_into_a_folder_without_a_model_writes_one(tmp_path, monkeypatch, dat_there, written):
+    """--save-max with a checkpoint whose best game scored 21, resumed into another --save-model-dir: the best to
+    beat there starts at 0, so a game of 5 writes the folder's first .dat. Before, the checkpoint's 21 had to be
+    matched, and the run could end with no .dat at all (the final save leaves it to the monitor). Where the folder
+    already holds the run's .dat, a worse game does not replace it."""
+    real = RunState.__init__
+
+    def restored(self, *a, **k):
+        real(self, *a, **k)
+        self.monitor[2] = 21.0  # the checkpoint's best game
+    monkeypatch.setattr(RunState, "__init__", restored)
+    dat = tmp_path / "models" / "PongNoFrameskip-v4.dat"
+    if dat_there:
+        dat.parent.mkdir()
+        dat.write_bytes(b"the best model so far")
+    play_scripted(tmp_path, monkeypatch, [5.0], ["--save-max"])
+    assert dat.exists() and (dat.read_bytes() != b"the best model so far") is written
