@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where <env>.dat and <env>.ckpt are written (default: runs/<env>; in GA3C mode "
                         "runs/<env>-ga3c, on Ray runs/<env>-ray)")
     p.add_argument("--gpu-ids", "-gp", type=int, nargs="+", default=[-1],
-                   help="GPUs for the workers, round-robin (A3G mode); -1 = CPU (default)")
+                   help="GPUs: A3G mode's workers round-robin; GA3C mode's trainers and predictors (with two or "
+                        "more ids, the first half trains, the second half predicts); the monitor uses the last; "
+                        "-1 = CPU (default)")
     p.add_argument("--amsgrad", "-a", action=BoolFlag, default=False, help="AMSGrad variant of Adam")
     p.add_argument("--optimizer-eps", type=float, default=None,
                    help="the term added to the root of the optimizer's second moment; a smaller one lets parameters "
@@ -353,7 +355,9 @@ def validate_common(args: argparse.Namespace) -> list[str]:
         resolve_env_id(args.env)
     except EnvIdError as e:
         errors.append(str(e))
-    if Path(args.env_config).is_dir():
+    if not args.env_config.strip():
+        errors.append("--env-config is empty: give the crop table's path (default: the repository's config.json)")
+    elif Path(args.env_config).is_dir():
         errors.append(f"env config '{args.env_config}' is a folder, not the crop table (use --env-config PATH to "
                       f"its file)")
     elif not Path(args.env_config).is_file():

@@ -437,3 +437,9 @@ def test_frame_flags_that_change_nothing_for_the_ids_played_are_refused():
     assert validate(parse("--env", "PongNoFrameskip-v4", "--train-envs", "Pong-v0", "PongNoFrameskip-v4",
                           "--see-skipped-frames")) == []
     assert validate(parse("--env", "ALE/Pong-v5", "--skip-rate", "4")) == []
+
+
+def test_an_empty_env_config_is_named_as_empty_not_as_a_folder():
+    """``Path('')`` is the current folder: ``--env-config ''`` was reported as "is a folder"."""
+    assert validate(parse("--env-config", "")) == [
+        "--env-config is empty: give the crop table's path (default: the repository's config.json)"]
