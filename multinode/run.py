@@ -43,7 +43,7 @@ CONNECT_SECONDS = 15.0  # an address that does not answer within this is bad inp
 CALL_SECONDS = 5.0  # the driver's calls to actors (status, health) give up after this
 START_SECONDS = 300.0  # the parameter server's first answer (a busy machine starts a Ray actor slowly)
 SAVE_SECONDS = 60.0  # the parameter server writes a checkpoint (39 MB) within this
-NODE_START_SECONDS = 600.0  # a node that has not answered this long after its start or loss fails the run
+NODE_START_SECONDS = 600.0  # a node (or the parameter server) that has not answered this long fails the run
 SHUTDOWN_SECONDS = 8.0  # Ray's own shutdown, before a local cluster's processes are killed
 STOP_SECONDS = 10.0  # nodes get this long (together) to stop their workers and make their last sync
 SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
@@ -460,6 +460,9 @@ class RayRun(Mode):
             self._ps_down_since = self._polls["status"].since
             self.log.info("the parameter server does not answer; Ray restarts it if it died (from the last "
                           "checkpoint)")
+        if self._ps_down_since is not None and now - self._ps_down_since > NODE_START_SECONDS and self.failed is None:
+            self.failed = (f"the parameter server has not answered for {NODE_START_SECONDS:.0f} s (Ray did not bring "
+                           f"it back): without it no node syncs and the global step count stands still")
         if now - self._last_pull >= self.args.sync_seconds:
             weights = self._polls["weights"].poll(lambda: self.ps.get_weights.remote(), now)
             if weights is not None:

@@ -669,6 +669,40 @@ def test_a_node_that_rejoins_after_the_parameter_server_restarted_is_logged_as_r
                                                             "90 global steps"]
 
 
+def test_a_parameter_server_that_never_comes_back_ends_the_run():
+    """A server whose restart fails leaves every status call unanswered: no node syncs and the global step count
+    stands still, so a run bounded by --max-steps alone went on for ever (the driver only logged it). After
+    NODE_START_SECONDS without an answer the run fails, as for a node that does not come back."""
+    from config import build_parser
+    from multinode.run import NODE_START_SECONDS, SERVER_LATE_SECONDS, Poll, RayRun
+    args = build_parser().parse_args(["--ray-address", "local", "--nodes", "1", "--workers", "1"])
+    lines: list[str] = []
+
+    class Log:
+        def info(self, line):
+            lines.append(line)
+
+    class NeverReady:  # Ray's wait on a call to an actor that is gone for good
+        def wait(self, refs, timeout=0):
+            return [], refs
+
+    class Silent:
+        def __getattr__(self, name):
+            return type("M", (), {"remote": staticmethod(lambda *a: object())})()
+    run = RayRun(args, torch.nn.Linear(1, 1), None, Log(), ray_module=NeverReady())
+    run.ps, run._ps_status = Silent(), {"started": 1.0, "global_steps": 100, "nodes": []}
+    run._polls = {"status": Poll(NeverReady()), "weights": Poll(NeverReady())}
+    t = 1000.0
+    run.tick(t)
+    run.tick(t + SERVER_LATE_SECONDS + 1)
+    assert lines == ["the parameter server does not answer; Ray restarts it if it died (from the last checkpoint)"]
+    run.tick(t + NODE_START_SECONDS - 1)
+    assert run.failed is None
+    run.tick(t + NODE_START_SECONDS + 2)
+    assert run.failed == (f"the parameter server has not answered for {NODE_START_SECONDS:.0f} s (Ray did not bring "
+                          f"it back): without it no node syncs and the global step count stands still")
+
+
 def test_without_ray_address_ray_is_never_imported(tmp_path):
     code = ("import sys, main\n"
             f"rc = main.main(['--env', 'PongNoFrameskip-v4', '--workers', '1', '--hidden-size', '32', '--max-steps',"
