@@ -36,6 +36,18 @@ def deny_below(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(Path, "stat", stat)
 
 
+def relative_difference(a, b) -> float:
+    """``max |a - b| / max |b|``."""
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+def whole_gradient_difference(params, ref_params) -> float:
+    """``|g - g_ref| / |g_ref|`` over all the parameters' gradients as one vector."""
+    g = torch.cat([p.grad.flatten() for p in params])
+    r = torch.cat([p.grad.flatten() for p in ref_params])
+    return ((g - r).norm() / r.norm().clamp(min=1e-30)).item()
+
+
 def always_noop_model(n_actions: int, hidden: int = 16, action: int = 0):
     """Greedy ``action`` (by default 0, NOOP, which never relaunches Breakout's ball) and an LSTM state that grows
     from zero."""
