@@ -410,8 +410,9 @@ def write_json_atomically(path: Path, text: str) -> None:
 
 def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[int], device: torch.device,
                results) -> None:
-    """Play the games with these indices and put ``(index, score, length, frames_recorded, points)`` on
-    ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward. With
+    """Play the games with these indices and put ``(index, score, length, frames_recorded, points, cut)`` on
+    ``results``; ``points``: ``[agent step, reward]`` of every step with a non-zero reward; ``cut``: whether the
+    time limit (or the emulator's frame cap) ended the game. With
     ``args.random_actions`` (``state_dict`` None) game i plays ``UniformRandomPolicy(seed=args.seed + i)``."""
     from player_util import play_game
 
@@ -438,8 +439,9 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
             frames_hook = (lambda e, r=recorder: r(e)) if recorder else None
             points: list = []
             trace = [] if args.trace else None
+            cut: list = []
             score, length, _ = play_game(model, env, device, seed=args.seed + i, on_frame=frames_hook,
-                                         points=points, trace=trace)
+                                         points=points, trace=trace, cut=cut)
             if trace is not None:
                 write_trace(trace_path(args, i), trace,
                             env.unwrapped.get_action_meanings())
@@ -449,7 +451,7 @@ def play_games(args: argparse.Namespace, state_dict: dict | None, games: list[in
             if recorder is not None:
                 recorder.close()  # a game cut short: its partial video is removed
             env.close()
-        results.put((i, score, length, recorder.frames if recorder else 0, [list(p) for p in points]))
+        results.put((i, score, length, recorder.frames if recorder else 0, [list(p) for p in points], any(cut)))
 
 
 def write_trace(path: Path, trace: list, action_names: list[str]) -> None:
@@ -656,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths: dict[int, int] = {}
     frames: dict[int, int] = {}
     points: dict[int, list] = {}
+    cut: dict[int, bool] = {}
     from tqdm import tqdm
     bar = tqdm(total=n, unit="game", disable=not sys.stderr.isatty(), file=sys.stderr)
 
@@ -664,8 +667,8 @@ def main(argv: list[str] | None = None) -> int:
 
         @staticmethod
         def put(item) -> None:
-            i, score, length, nframes, game_points = item
-            scores[i], lengths[i], frames[i], points[i] = score, length, nframes, game_points
+            i, score, length, nframes, game_points, game_cut = item
+            scores[i], lengths[i], frames[i], points[i], cut[i] = score, length, nframes, game_points, game_cut
             mean = statistics.fmean(scores.values())
             log.info(f"Time {format_duration(time.time() - start)}, episode reward {score}, episode length {length}, "
                      f"reward mean {mean:.4f}")
@@ -736,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
               f"played are in {mon_log_path(args)}): run the evaluation again", file=sys.stderr)
         return 1
     try:
-        return summarise_and_write(args, path, model_sha256, proto, log, start, scores, lengths, frames, points)
+        return summarise_and_write(args, path, model_sha256, proto, log, start, scores, lengths, frames, points,
+                                   cut)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted after all {n} games, before the summary was written", file=sys.stderr)
         return 130
@@ -765,9 +769,10 @@ def end_workers(procs: list, kill: bool) -> bool:
 
 
 def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha256: str | None, proto: dict, log,
-                        start: float, scores: dict, lengths: dict, frames: dict, points: dict) -> int:
-    """The summary line, the points line, the card line and the JSON of the finished games; returns the exit code
-    (1 with one line where the JSON cannot be written)."""
+                        start: float, scores: dict, lengths: dict, frames: dict, points: dict, cut: dict) -> int:
+    """The summary line, the points line, the line of the games the time limit cut (where there are any), the card
+    line and the JSON of the finished games; returns the exit code (1 with one line where the JSON cannot be
+    written)."""
     n = args.num_episodes
     order = sorted(scores)
     score_list = [scores[i] for i in order]
@@ -788,6 +793,13 @@ def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha25
         line = points_line(lost, n)
         log.info(line)
         print(line, flush=True)
+    cut_games = [i for i in order if cut[i]]
+    if cut_games:  # their scores are the points up to the cut, not whole games
+        line = (f"{len(cut_games)} of {n} games were cut short by the time limit ({proto['time_limit_agent_steps']} "
+                f"agent steps) or the emulator's frame cap: their scores count the points up to the cut "
+                f"(games {', '.join(str(i + 1) for i in cut_games[:10])}{', ...' if len(cut_games) > 10 else ''})")
+        log.info(line)
+        print(line, flush=True)
     claim = None
     if not args.random_actions:
         try:  # a hand-edited card must not cost the results
@@ -803,7 +815,8 @@ def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha25
     out = {"env": args.env, "model": None if args.random_actions else str(path), "model_sha256": model_sha256,
            "policy": "uniform random actions" if args.random_actions else "greedy (argmax)", "episodes": n, **s,
            "scores": score_list,
-           "lengths": [lengths[i] for i in order], "points": point_list, "points_lost": lost,
+           "lengths": [lengths[i] for i in order], "cut_short": [i + 1 for i in cut_games], "points": point_list,
+           "points_lost": lost,
            "seed": args.seed, "protocol": proto,
            "precision": None if args.random_actions else args.compute_precision, "card": claim,
            "wall_seconds": wall}

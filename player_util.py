@@ -179,7 +179,7 @@ def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
 @torch.no_grad()
 def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int | None = None,
               should_stop=None, on_frame=None, points: list | None = None,
-              trace: list | None = None) -> tuple[float, int, bool]:
+              trace: list | None = None, cut: list | None = None) -> tuple[float, int, bool]:
     """Play one whole game greedily (argmax of the policy) with an env built with ``episodic_life=False``.
 
     A lost life restarts the way a learner's episode starts (``EpisodicLife`` and ``FireReset``): one NOOP, then
@@ -197,7 +197,8 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
     given, gets ``(agent step, reward)`` appended for every step with a non-zero reward (the step counted from 1,
     as ``length`` counts it). ``trace``, when given, gets ``(agent step, action, reward, value, probabilities)``
     appended for every step the policy chose (not the restart steps after a lost life): the critic's value and
-    the policy's probabilities of the state it acted in.
+    the policy's probabilities of the state it acted in. ``cut``, when given, gets one bool appended when the game
+    ends: whether it was cut short (truncated: the time limit, or the emulator's frame cap) rather than played out.
     """
     obs, _ = env.reset(seed=seed) if seed is not None else env.reset()
     if on_frame is not None:
@@ -212,6 +213,8 @@ def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int |
         obs, reward, terminated, truncated, _ = env.step(action)
         score += float(reward)
         length += 1
+        if cut is not None and (terminated or truncated):
+            cut.append(bool(truncated and not terminated))
         if points is not None and reward:
             points.append((length, float(reward)))
         if on_frame is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, deny_below, kill_session, processes_left, run_entry
+from conftest import ROOT, always_noop_model, deny_below, kill_session, processes_left, run_entry
 from test_faults import START_SECONDS
 from model import expected_shapes
 
@@ -240,7 +240,10 @@ def test_random_actions_are_seeded_per_game_whoever_plays_it(monkeypatch):
     import gym_eval
     import player_util
 
+    seeds = []
+
     def first_actions(model, env, device, *, seed, **_):
+        seeds.append(seed)
         x, state = torch.zeros(1, 1, 80, 80), model.initial_state(1)
         return float(sum(int(model(x, state)[1].argmax(1)) * 6 ** k for k in range(20))), 20, True
 
@@ -256,6 +259,7 @@ def test_random_actions_are_seeded_per_game_whoever_plays_it(monkeypatch):
 
     together, alone = played([0, 1]), played([1])
     assert together[1] == alone[1] and together[0] != together[1]
+    assert seeds == [5, 6, 6]  # each game's env reset with --seed + its index, as the JSON's "seed" says
 
 
 def test_the_random_policy_is_uniform_and_seeded():
@@ -318,6 +322,35 @@ def test_a_model_file_replaced_while_it_is_read_is_refused(tmp_path, model_dir, 
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "changed while it was read" in err
     assert not (tmp_path / "logs").exists()
+
+
+def test_games_cut_by_the_time_limit_are_named_in_the_summary_and_the_json(tmp_path, model_dir, capsys):
+    """A game the time limit ends is counted with the points scored up to it (upstream's evaluation did the same);
+    it is now said so, one line and ``cut_short`` (game numbers from 1) in the JSON. Before, nothing told a summary
+    of 100 cut games (a Breakout model that keeps the ball in play) from one of 100 played out."""
+    import gym_eval
+    out = tmp_path / "e.json"
+    code = gym_eval.main([*SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                          "--num-episodes", "2", "--json", str(out)])  # 60 agent steps: no Pong game ends sooner
+    assert code == 0
+    assert ("2 of 2 games were cut short by the time limit (60 agent steps) or the emulator's frame cap: their "
+            "scores count the points up to the cut (games 1, 2)") in capsys.readouterr().out
+    assert json.loads(out.read_text())["cut_short"] == [1, 2]
+
+
+def test_a_game_that_ends_is_not_cut_and_one_the_limit_ends_is():
+    """``play_game``'s ``cut``: False for a game played out (terminated), True for one the time limit truncates."""
+    from environment import atari_env, load_env_config
+    from player_util import play_game
+    conf = load_env_config(str(ROOT / "config.json"), "PongNoFrameskip-v4")
+    model = always_noop_model(6, action=0)
+    for limit, want in ((50, True), (10_000, False)):  # standing still, Pong is lost 21-0 in about 800 steps
+        env = atari_env("PongNoFrameskip-v4", conf, max_episode_length=limit, episodic_life=False)
+        cut: list = []
+        score, length, _ = play_game(model, env, torch.device("cpu"), seed=1, cut=cut)
+        env.close()
+        assert cut == [want], (limit, score, length)
+        assert (length < limit and score == -21.0) if not want else limit - 2 <= length <= limit  # the reset's FIRE, 2
 
 
 def test_bad_inputs(tmp_path, model_dir):
@@ -1276,7 +1309,8 @@ def test_scores_of_a_million_and_more_are_printed_whole(tmp_path, capsys):
                               seed=1, log_dir=str(tmp_path))
     proto = protocol(args.env, max_episode_length=10000, skip_rate=4, episodic_life=False)
     code = gym_eval.summarise_and_write(args, None, None, proto, logging.getLogger("test"), time.time(),
-                                        {0: 2873210.0, 1: 1234567.0}, {0: 9000, 1: 9000}, {0: 0, 1: 0}, {0: [], 1: []})
+                                        {0: 2873210.0, 1: 1234567.0}, {0: 9000, 1: 9000}, {0: 0, 1: 0}, {0: [], 1: []},
+                                        {0: False, 1: False})
     assert code == 0
     out = capsys.readouterr().out
     assert "2 games, mean 2053888.50 ± 819321.50, min 1234567, max 2873210, median 2053888.5 (" in out, out
