@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -89,6 +90,9 @@ def _dir_problems(path: str, flag: str) -> list[str]:
         return [f"{flag} '{path}' is a file, not a folder"]
     existing = p.absolute()
     while not existing.exists():
+        if existing.is_symlink():  # a link to nothing: making the folder there fails (File exists)
+            return [f"{flag} '{path}': '{existing}' is a link to '{os.readlink(existing)}', which does not exist: "
+                    f"make that folder, or pick another"]
         existing = existing.parent
     if not existing.is_dir():
         return [f"{flag} '{path}': '{existing}' is a file, not a folder"]

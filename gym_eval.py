@@ -363,9 +363,10 @@ def trace_path(args: argparse.Namespace, game: int) -> Path:
 
 
 def output_problems(args: argparse.Namespace) -> list[str]:
-    """The per-game outputs a folder stands where a file would go (the videos of the games ``--record`` writes,
-    every game's ``--trace`` CSV), and a ``--json`` that names the model file, its card or the game log, which
-    it would replace: one line each (checked before the first game)."""
+    """The per-game outputs a folder stands where a file would go, or an earlier evaluation's file that would be
+    replaced (the videos of the games ``--record`` writes, every game's ``--trace`` CSV), and a ``--json`` that
+    names the model file, its card or the game log, which it would replace: one line each (checked before the
+    first game)."""
     errors = []
     for flag, paths in (("--record", [video_path(args, i) for i in range(0, args.num_episodes, args.render_freq)]
                          if args.record else []),
@@ -375,6 +376,12 @@ def output_problems(args: argparse.Namespace) -> list[str]:
             more = f" (and {len(folders) - 1} more)" if len(folders) > 1 else ""
             errors.append(f"'{folders[0]}'{more} is a folder, where {flag} would write a game's file: move it away, "
                           f"or pass another {flag} DIR")
+            continue
+        files = [p for p in paths if p.is_file()]
+        if files:
+            more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+            errors.append(f"'{files[0]}'{more} exists, an earlier evaluation's, and this one would replace it: move "
+                          f"it away, or pass another {flag} DIR")
     if args.json is not None:
         kept = [mon_log_path(args)]
         if not args.random_actions:
@@ -553,9 +560,11 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
             "see_skipped_frames": card.get("see_skipped_frames") is True}
 
 
-def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_precision: str) -> str:
+def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_precision: str,
+              first_seed: int | None = None) -> str:
     """One line: the card's evaluation on ``env_id`` beside this run's ``n`` games (``s``: ``summarize``'s dict),
-    naming the protocol settings in which this run differs from the card's."""
+    naming the protocol settings in which this run differs from the card's, and, with ``first_seed``, the games
+    (seeds) where they are not the card's."""
     if "problem" in claim:
         return (f"card: {claim['path']} {claim['problem']}: not compared, and its see_skipped_frames not read (pass "
                 f"--see-skipped-frames if the model was trained with it)")
@@ -573,7 +582,12 @@ def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_pr
                if e["protocol"].get(k) != as_stored[k]]
     if e.get("precision") != compute_precision:
         differs.append(f"precision {compute_precision} (card: {e.get('precision')})")
-    return line + (f"; not the card's protocol: {', '.join(differs)}" if differs else "")
+    line += f"; not the card's protocol: {', '.join(differs)}" if differs else ""
+    card_seed = e.get("first_seed")
+    if first_seed is not None and card_seed is not None and (first_seed, n) != (card_seed, e["episodes"]):
+        line += (f"; not the card's games: seeds {first_seed}-{first_seed + n - 1} (card: {card_seed}-"
+                 f"{card_seed + e['episodes'] - 1})")
+    return line
 
 
 def check_before_start(args: argparse.Namespace) -> list[str] | tuple:
@@ -630,11 +644,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     keep_freed_memory()
-    try:
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        for folder in (args.record, args.trace):
+    for flag, folder in (("--record", args.record), ("--trace", args.trace)):
+        try:
             if folder:
                 Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a dangling link in its place: found only when made
+            print(f"{PROG}: error: cannot make the {flag} folder {folder} ({e.strerror or e}): pass another {flag} "
+                  f"DIR", file=sys.stderr)
+            return 2
+    try:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         log = setup_logger(f"eval.{file_stem(args)}", mon_log_path(args))
     except OSError as e:  # a dangling link, a file it may not write: found only when opened
         print(f"{PROG}: error: cannot open the game log {mon_log_path(args)} ({e.strerror or e}): pass --log-dir "
@@ -805,7 +824,7 @@ def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha25
         try:  # a hand-edited card must not cost the results
             claim = card_claim(path, args.env, model_sha256, proto, args.compute_precision)
             if claim is not None:
-                claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision)
+                claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision, args.seed)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             claim = {"path": str(path.with_suffix(".json")), "line": f"card: {path.with_suffix('.json')} is "
                                                                       f"malformed ({e}): not compared"}

@@ -353,6 +353,38 @@ def test_a_game_that_ends_is_not_cut_and_one_the_limit_ends_is():
         assert (length < limit and score == -21.0) if not want else limit - 2 <= length <= limit  # the reset's FIRE, 2
 
 
+def test_an_earlier_evaluations_videos_and_traces_are_not_replaced(tmp_path, model_dir):
+    """Video and trace names hold the env, the model and the game number, not the seed: a second evaluation into the
+    same folders replaced the first one's files without a word. Refused in one line before any game."""
+    (tmp_path / "videos").mkdir()
+    video = tmp_path / "videos" / "PongNoFrameskip-v4_game000.mp4"
+    video.write_bytes(b"an earlier game")
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--record", str(tmp_path / "videos"))
+    assert line == (f"gym_eval.py: error: '{video}' exists, an earlier evaluation's, and this one would replace it: "
+                    f"move it away, or pass another --record DIR")
+    (tmp_path / "traces").mkdir()
+    for g in (0, 1):
+        (tmp_path / "traces" / f"PongNoFrameskip-v4_game{g:03d}.csv").write_text("step\n")
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--num-episodes", "2", "--trace",
+                    str(tmp_path / "traces"))
+    assert line == (f"gym_eval.py: error: '{tmp_path / 'traces' / 'PongNoFrameskip-v4_game000.csv'}' (and 1 more) "
+                    f"exists, an earlier evaluation's, and this one would replace it: move it away, or pass another "
+                    f"--trace DIR")
+    assert video.read_bytes() == b"an earlier game"
+
+
+@pytest.mark.parametrize("flag", ["--record", "--trace"])
+def test_a_dangling_link_for_an_output_folder_names_its_flag(tmp_path, model_dir, flag):
+    """A link to nothing where the folder would be made (mkdir fails with File exists): one line naming the flag.
+    Before, it was reported as the game log's ("cannot open the game log ... pass --log-dir")."""
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    r = run_entry("gym_eval.py", *SHORT, "--load-model-dir", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                  flag, str(tmp_path / "gone"), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == (f"gym_eval.py: error: {flag} '{tmp_path / 'gone'}': '{tmp_path / 'gone'}' "
+                                              f"is a link to '{tmp_path / 'nowhere'}', which does not exist: make "
+                                              f"that folder, or pick another\n"), r.stderr
+
+
 def test_bad_inputs(tmp_path, model_dir):
     assert "does not exist" in bad_eval(tmp_path, "--load-model-dir", str(tmp_path / "nowhere"))
     line = bad_eval(tmp_path, "--load-model-dir", str(model_dir))  # 32-unit file, default --hidden-size 512
@@ -745,9 +777,13 @@ def test_plot_names_the_line_of_a_broken_row(tmp_path, bad, line):
     (["--out", "{tmp}/a.png"], "--out '{tmp}/a.png' is a folder: give a file name"),
     (["--out", "/proc/curves.png"], "--out '/proc/curves.png': its folder '/proc' cannot be written: pick a folder "
                                     "you can write to"),
+    # a link to nothing as its folder: before, the table was printed, then "could not write ...: File exists", exit 1
+    (["--out", "{tmp}/gone/x.png"], "--out '{tmp}/gone/x.png': its folder '{tmp}/gone': '{tmp}/gone' is a link to "
+                                    "'{tmp}/nowhere', which does not exist: make that folder, or pick another"),
     (["--levels", "0", "nan"], "--levels must be finite numbers, got nan")])
 def test_plot_checks_its_outputs_and_levels_before_reading(tmp_path, flags, message):
     (tmp_path / "a.png").mkdir()
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
     (tmp_path / "a_monitor.csv").write_text(HEADER + "\n1e9,10.0,1000,-21,100,1.0,0,\n")
     r = run_entry("plot.py", str(tmp_path / "a_monitor.csv"), *[f.format(tmp=tmp_path) for f in flags], cwd=tmp_path)
     assert r.returncode == 2 and not r.stdout

@@ -738,6 +738,11 @@ def test_a_cards_protocol_read_back_from_json_is_the_same_protocol(env):
     other = protocol(env, max_episode_length=500, skip_rate=4, episodic_life=False)
     assert card_line(claim, env, 2, run, other, "fp32").endswith(
         "; not the card's protocol: time_limit_agent_steps 500 (card: 10000)")
+    # the games played: the card's are seeds 1-100; another first seed or count is said (before, compared silently)
+    evaluation["first_seed"] = 1
+    assert card_line(claim, env, 100, run, proto, "fp32", first_seed=1).endswith("this run: 100 games 20.50 ± 0.50")
+    assert card_line(claim, env, 2, run, proto, "fp32", first_seed=7).endswith(
+        "this run: 2 games 20.50 ± 0.50; not the card's games: seeds 7-8 (card: 1-100)")
 
 
 def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(shipped_pong_game):
@@ -747,7 +752,8 @@ def test_gym_eval_prints_the_cards_claim_beside_one_game_of_the_shipped_model(sh
     e = next(e for e in card["evaluations"] if e["env"] == card["env"])
     r, summary = shipped_pong_game
     expected = (f"card: {e['env']} {e['episodes']} games {e['mean']:.2f} ± {e['std']:.2f} ({e['source']}); "
-                f"this run: 1 games {summary['mean']:.2f} ± 0.00")
+                f"this run: 1 games {summary['mean']:.2f} ± 0.00; not the card's games: seeds 1-1 (card: "
+                f"{e['first_seed']}-{e['first_seed'] + e['episodes'] - 1})")
     lines = r.stdout.splitlines()
     summary_at = next(i for i, x in enumerate(lines) if x.startswith(f"{card['env']}: 1 games, mean"))
     assert lines[summary_at + 1] == expected, r.stdout[-2000:]
