@@ -128,7 +128,8 @@ TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")
 
 
 def atomic_save(obj, path: str | Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``.
+    """``torch.save`` to a temporary file next to ``path``, fsync, rename over ``path``, then fsync the folder (so
+    that the rename, too, survives a power loss).
 
     On any failure the temporary file is removed, ``path`` is left as it was, and ``CheckpointWriteError`` says
     why in one line."""
@@ -140,6 +141,7 @@ def atomic_save(obj, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        sync_folder(path.parent)
     except Exception as e:
         raise CheckpointWriteError(write_error_message(path, e)) from e
     finally:
@@ -147,6 +149,19 @@ def atomic_save(obj, path: str | Path) -> None:
             tmp.unlink()
         except OSError:
             pass
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync ``folder`` itself: its entries (a rename into it) reach the disk. A file system that cannot sync a
+    folder (EINVAL, ENOTSUP) is left as it is."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temp_files(folder: str | Path) -> list[Path]:

@@ -158,3 +158,31 @@ def test_a_lock_file_removed_while_it_was_being_locked_is_made_again(tmp_path, m
             RunLock(tmp_path)
     finally:
         lock.release()
+
+
+def test_a_save_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
+    """The rename that puts a checkpoint in place reaches the disk only when the folder is synced too; before, only
+    the file was, and after a power loss the folder could still name the previous checkpoint. A file system that
+    cannot sync a folder (EINVAL) does not fail the save."""
+    import errno
+    import os
+
+    import checkpoint
+    real = os.fsync
+    synced = []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    path = tmp_path / "m.dat"
+    checkpoint.atomic_save({"w": torch.ones(2)}, path)
+    assert len(synced) == 2 and synced[0].startswith(str(tmp_path / ".m.dat.tmp")) and synced[1] == str(tmp_path)
+
+    def no_folder_sync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd)
+    monkeypatch.setattr(checkpoint.os, "fsync", no_folder_sync)
+    checkpoint.atomic_save({"w": torch.zeros(2)}, path)
+    assert torch.equal(read_weights(path)["w"], torch.zeros(2))
