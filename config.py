@@ -280,8 +280,8 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                         "model; a3g: hogwild workers, each with its own model copy (default: ga3c; a3g when "
                         "--workers, --distributed-step-size or --ray-address is given)")
     g.add_argument("--agents", type=int, default=None,
-                   help="agent processes, which only step environments (GA3C AGENTS; default: the number of CPU "
-                        "cores)")
+                   help="agent processes, which only step environments (GA3C AGENTS; default: the CPU cores this "
+                        "process may use)")
     g.add_argument("--envs-per-agent", type=int, default=8,
                    help="environments stepped by each agent process (default: %(default)s)")
     g.add_argument("--predictors", type=int, default=1,
