@@ -933,7 +933,8 @@ def test_a_lock_file_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_p
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoint.os, "pwrite", pwrite)
-    args = Namespace(save_model_dir=str(tmp_path / "a/models"), log_dir=str(tmp_path / "a/logs"), env=ENV_ID)
+    args = Namespace(save_model_dir=str(tmp_path / "a/models"), log_dir=str(tmp_path / "a/logs"), env=ENV_ID,
+                     mode="ga3c", ray_address=None)
     with pytest.raises(CheckpointWriteError if fault == "full disk" else KeyboardInterrupt) as e:
         main.take_locks(args)
     if fault == "full disk":
