@@ -274,11 +274,25 @@ BAD_INPUT = [  # (script, flags, what the one error line says); {tmp} is the tes
     ("benchmark.py", ["--out-dir", "{file}"], "--out-dir '{file}' is a file, not a folder"),
     ("benchmark.py", ["--out-dir", "{file}/run"], "--out-dir '{file}/run': '{file}' is a file, not a folder"),
     ("multinode.py", ["--sync-seconds", "0"], "--sync-seconds must be > 0 and at most 86,400, got 0.0"),
-    ("multinode.py", ["--ps-gbit", "0"], "--ps-gbit must be a finite number > 0, got 0.0"),
-    ("multinode.py", ["--window", "nan"], "--window must be a finite number of seconds > 0, got nan"),
-    ("multinode.py", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    ("multinode.py", ["--json", "{tmp}"], "--json '{tmp}' is a folder: give a file name"),
 ]
+
+
+def test_multinode_benchmark_checks_every_flag_before_ray_starts(tmp_path):
+    """benchmarks/multinode.py's flags (one is run as a process above): before, only --workers and --rounds were
+    checked (exit 1), a 0 --sync-seconds made every node sync in a busy loop, and a 0 --ps-gbit divided by zero
+    after minutes of measuring."""
+    spec = importlib.util.spec_from_file_location("multinode_benchmark", ROOT / "benchmarks" / "multinode.py")
+    bench = importlib.util.module_from_spec(spec)  # not "multinode": that is Ray mode's package
+    spec.loader.exec_module(bench)
+
+    def problems(*argv):
+        return bench.check_options(bench.benchmark_parser().parse_args(list(argv)))
+    assert problems() == []
+    assert problems("--ps-gbit", "0", "--window", "nan", "--rounds", "0", "--scale-workers", "0", "--warmup", "-1") == [
+        "--rounds must be >= 1, got 0", "--warmup must be a finite number of seconds >= 0, got -1.0",
+        "--window must be a finite number of seconds > 0, got nan", "--scale-workers must be >= 1, got 0",
+        "--ps-gbit must be a finite number > 0, got 0.0"]
+    assert problems("--json", str(tmp_path)) == [f"--json '{tmp_path}' is a folder: give a file name"]
 
 
 @pytest.mark.parametrize("script, flags, message", BAD_INPUT,

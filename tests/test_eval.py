@@ -373,7 +373,7 @@ def test_an_earlier_evaluations_videos_and_traces_are_not_replaced(tmp_path, mod
     assert video.read_bytes() == b"an earlier game"
 
 
-@pytest.mark.parametrize("flag", ["--record", "--trace"])
+@pytest.mark.parametrize("flag", ["--record"])  # --trace, --log-dir and --json's folders: the same validate_dir
 def test_a_dangling_link_for_an_output_folder_names_its_flag(tmp_path, model_dir, flag):
     """A link to nothing where the folder would be made (mkdir fails with File exists): one line naming the flag.
     Before, it was reported as the game log's ("cannot open the game log ... pass --log-dir")."""

@@ -456,22 +456,44 @@ def run_main(tmp_path, *args, timeout=120) -> subprocess.CompletedProcess:
     (["--ray-address", "local", "--nodes", "0"], "--nodes must be >= 1, got 0"),
     (["--nodes", "2"], "--nodes 2 needs --ray-address"),
     (["--ray-address", "local", "--sync-seconds", "0"], "--sync-seconds must be > 0"),
-    (["--ray-address", "local", "--sync-seconds", "1e10"], "--sync-seconds must be at most 86,400 (a day), got 1e+10"),
     (["--ray-address", "local", "--mode", "ga3c"], "--ray-address: only A3G mode has it"),
-    (["--sync-seconds", "3"], "--sync-seconds: only runs with --ray-address use it"),
-    (["--merge", "average", "--sync-seconds", "3"], "--sync-seconds, --merge: only runs with --ray-address use them"),
     (["--ray-address", "nowhere"], "expected auto, local or HOST:PORT"),
-    (["--ray-address", ":6379"], "expected auto, local or HOST:PORT"),
-    (["--ray-address", "127.0.0.1:70000"], "port 70000 is not a TCP port (1-65535)"),
     (["--ray-address", "a..b:6379"], "'a..b' is not a host name"),
 ])
 def test_bad_multinode_flags_are_one_line_and_exit_2(tmp_path, flags, message):
-    """Each in one line (before, --mode ga3c with --ray-address had two; a host name with an empty label was a
-    UnicodeError traceback, and a port above 65535 was tried modulo 65536)."""
+    """Each in one line (before, --mode ga3c with --ray-address had two, and a host name with an empty label was a
+    UnicodeError traceback)."""
     proc = run_main(tmp_path, *flags)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and TRACEBACK not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "m").exists()  # nothing created
+
+
+def test_more_bad_multinode_input_is_one_line_each():
+    """The same checks in this process (main.py prints each as above): --sync-seconds beyond a day (a node's wait
+    on it overflowed and killed its sync thread), the Ray flags without --ray-address (they changed nothing), and
+    addresses that are not HOST:PORT with a TCP port (a port above 65535 was tried modulo 65536)."""
+    from config import build_parser, validate
+    from multinode.run import RayConnectError, check_reachable
+
+    def errors(*argv):
+        return validate(build_parser().parse_args(list(argv)))
+    assert errors("--ray-address", "local", "--sync-seconds", "1e10") == [
+        "--sync-seconds must be at most 86,400 (a day), got 1e+10"]
+    assert errors("--sync-seconds", "3") == [
+        "--sync-seconds: only runs with --ray-address use it (a node's sync with the parameter server): add "
+        "--ray-address, or leave it out"]
+    assert errors("--merge", "average", "--sync-seconds", "3") == [
+        "--sync-seconds, --merge: only runs with --ray-address use them (a node's sync with the parameter server): "
+        "add --ray-address, or leave them out"]
+    for address, message in ((":6379", "--ray-address ':6379': expected auto, local or HOST:PORT (e.g. 10.0.0.1:6379)"),
+                             ("127.0.0.1:70000", "--ray-address '127.0.0.1:70000': port 70000 is not a TCP port "
+                                                 "(1-65535)"),
+                             ("a..b:6379", "--ray-address 'a..b:6379': 'a..b' is not a host name (e.g. 10.0.0.1 or "
+                                           "head.example.org)")):
+        with pytest.raises(RayConnectError) as e:
+            check_reachable(address, timeout=1.0)
+        assert str(e.value) == message
 
 
 def test_an_address_that_does_not_answer_is_one_line_and_exit_2_within_bounded_time(tmp_path):
