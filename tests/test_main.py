@@ -918,7 +918,7 @@ def test_a_monitor_csv_is_the_checkpoints_where_its_run_wrote_it_or_where_its_fi
     assert monitor_csv_is_the_checkpoints([-21.0], {"config": {}}, "moved/logs")
 
 
-def test_a_fresh_ga3c_run_is_refused_where_results_txt_has_games(tmp_path):
+def test_a_fresh_ga3c_run_is_refused_where_results_txt_has_games(tmp_path, capsys):
     """GA3C's results.txt is one per log folder and its lines do not name the env: a fresh GA3C run of another env
     in that folder appended its games to the earlier run's (plot.py then drew one curve of two games). Refused in
     one line like a monitor CSV with games; nothing written."""
@@ -926,9 +926,8 @@ def test_a_fresh_ga3c_run_is_refused_where_results_txt_has_games(tmp_path):
     logs.mkdir()
     results = logs / "results.txt"
     results.write_text("2026-11-29 10:00:00, -21, 812\n2026-11-29 10:00:09, -20, 901\n")
-    r = run_entry("main.py", "--mode", "ga3c", "--agents", "1", "--hidden-size", "32", "--env",
-                  "BreakoutNoFrameskip-v4", *dirs(tmp_path), "--max-steps", "100", cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and r.stderr == (
+    assert refused(capsys, "--mode", "ga3c", "--agents", "1", "--hidden-size", "32", "--env", "BreakoutNoFrameskip-v4",
+                   *dirs(tmp_path), "--max-steps", "100") == (
         f"main.py: error: {results} holds 2 game(s) of an earlier GA3C run (of this env or another), and this run "
         f"would add its own to them: to continue that run, pass --load (with its --save-model-dir); to start "
         f"afresh, pass --log-dir DIR with another folder (or move the file away)\n")
@@ -958,34 +957,44 @@ def test_ga3c_runs_of_two_envs_do_not_share_a_log_folder_at_once(tmp_path):
         first.release()
 
 
-def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_has_games(tmp_path):
+def refused(capsys, *argv) -> str:
+    """main's checks before anything is written (``check_before_start``), in this process, on input they refuse:
+    asserts exit 2 and returns what they printed on stderr."""
+    import main
+    from config import build_parser
+    with pytest.raises(SystemExit) as e:
+        main.check_before_start(build_parser().parse_args(list(argv)))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_fresh_run_is_refused_where_an_earlier_runs_monitor_csv_has_games(tmp_path, capsys):
     """Without --load (or with --load from another folder), a log folder whose monitor CSV holds games would get a
     second run's games appended (plot.py would then drop the first run's): one line, nothing written; with a model
     in the save folder too, both problems at once. A CSV with its header only (a run killed before its first game)
-    does not stop a new run."""
+    does not stop a new run. The refusals are main's checks in this process (``refused``); the last run is a
+    process."""
     from model import A3Clstm
     logs, models, init = tmp_path / "logs", tmp_path / "models", tmp_path / "init"
     logs.mkdir()
     csv_file = logs / "PongNoFrameskip-v4_monitor.csv"
     csv_file.write_text("wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
                         "1795000000.000,10.0,150,-21.0,800,15.0,-21.0000,\n")
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and r.stderr == (
+    assert refused(capsys, *TINY, *dirs(tmp_path), *UNTIL_GAME, "2") == (
         f"main.py: error: {csv_file} holds 1 monitor game(s) of an earlier run, and this run would add its own to "
         f"them: to continue that run, pass --load (with its --save-model-dir); to start afresh, pass --log-dir DIR "
         f"with another folder (or move the file away)\n")
     init.mkdir()
     torch.save(A3Clstm(1, 6, 32).state_dict(), init / "PongNoFrameskip-v4.dat")
-    r = run_entry("main.py", *TINY, "--log-dir", str(logs), "--save-model-dir", str(models), "--load",
-                  "--load-model-dir", str(init), *UNTIL_GAME, "2", cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and r.stderr == (
+    assert refused(capsys, *TINY, "--log-dir", str(logs), "--save-model-dir", str(models), "--load",
+                   "--load-model-dir", str(init), *UNTIL_GAME, "2") == (
         f"main.py: error: {csv_file} holds 1 monitor game(s) of an earlier run, and this run would add its own to "
         f"them: pass --log-dir DIR with another folder, since this run resumes from --load-model-dir {init} into "
         f"another --save-model-dir (or move the file away)\n")
     models.mkdir()
     (models / "PongNoFrameskip-v4.dat").write_bytes(b"an earlier model")
-    r = run_entry("main.py", *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--no-load", cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and len(r.stderr.splitlines()) == 2 and "PongNoFrameskip-v4.dat exists" in r.stderr
+    err = refused(capsys, *TINY, *dirs(tmp_path), *UNTIL_GAME, "2", "--no-load")
+    assert len(err.splitlines()) == 2 and "PongNoFrameskip-v4.dat exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init", "logs", "models"]
     assert [p.name for p in logs.iterdir()] == [csv_file.name] and [p.name for p in models.iterdir()] == [
         "PongNoFrameskip-v4.dat"]

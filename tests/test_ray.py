@@ -591,7 +591,10 @@ def test_the_grpc_check_passes_a_grpc_server_and_is_left_out_with_tls(monkeypatc
         web.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+# slow (14 s each): the watch that ends a stuck start-up is tested in the default suite by test_lifeline.py's
+# test_a_stop_signal_during_a_stuck_start_up_ends_the_driver_and_its_processes, on a start-up stuck on purpose
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_while_ray_init_retries_ends_the_driver_in_one_line(tmp_path, sig):
     """A server that passes the check (it answers as gRPC does) but never answers a call: ``ray.init`` waits and
     retries for minutes. One stop signal ends the driver within START_GRACE_SECONDS, in one line (after Ray's
