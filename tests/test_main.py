@@ -168,18 +168,35 @@ def test_ctrl_c_and_sigterm_stop_everything(tmp_path, sig, code):
     assert torch.load(tmp_path / "models/PongNoFrameskip-v4.ckpt", weights_only=True)["global_steps"] > 0
 
 
-def bad(tmp_path, *args):
-    r = run_entry("main.py", *dirs(tmp_path), *args, cwd=tmp_path, timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
+def bad(tmp_path, *args, process=False):
+    """main.py on input it refuses before anything is written, in ``tmp_path``: its error lines (exit 2, no
+    traceback, no log folder). In this process by default (the parser and ``check_before_start``, what main()
+    runs first), which keeps the suite short; ``process``: as a process (test_bad_env_id and the all-at-once test
+    prove the exit status and the real stderr)."""
+    if process:
+        r = run_entry("main.py", *dirs(tmp_path), *args, cwd=tmp_path, timeout=120)
+        code, err = r.returncode, r.stderr
+    else:
+        import contextlib
+        import io
+
+        import main
+        from config import build_parser
+        out = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(out), pytest.raises(SystemExit) as e:
+            mp.chdir(tmp_path)
+            main.check_before_start(build_parser().parse_args([*dirs(tmp_path), *args]))
+        code, err = e.value.code, out.getvalue()
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
     assert lines and all(line.startswith("main.py: error: ") for line in lines)
     assert not (tmp_path / "logs").exists()  # nothing started, nothing written
     return lines
 
 
 def test_bad_env_id(tmp_path):
-    (line,) = bad(tmp_path, "--env", "PongNoFrameSkip-v4")
+    (line,) = bad(tmp_path, "--env", "PongNoFrameSkip-v4", process=True)
     assert "unknown environment id 'PongNoFrameSkip-v4'" in line and "PongNoFrameskip-v4" in line
 
 
@@ -189,7 +206,7 @@ def test_gpu_that_does_not_exist(tmp_path):
 
 
 def test_every_problem_reported_at_once(tmp_path):
-    lines = bad(tmp_path, "--lr", "-1", "--workers", "0", "--gamma", "2")
+    lines = bad(tmp_path, "--lr", "-1", "--workers", "0", "--gamma", "2", process=True)
     assert len(lines) == 3
 
 
