@@ -532,14 +532,20 @@ def confirm_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def results_txt(args: argparse.Namespace) -> Path | None:
+    """GA3C's ``results.txt`` (upstream's file of learner games, one per ``--log-dir``: its lines do not name the
+    env) where this run writes one, GA3C mode on one machine; None otherwise."""
+    return Path(args.log_dir) / "results.txt" if args.mode == "ga3c" and args.ray_address is None else None
+
+
 def log_file_problems(args: argparse.Namespace) -> list[str]:
     """A folder where the run writes one of its log files in ``--log-dir`` (the train log, upstream's game log,
     the monitor CSV, and in GA3C mode results.txt): every write there would fail after the run started."""
     from test import csv_path, log_path, train_log_path  # here: test imports config
     folder = Path(args.log_dir)
     files = [train_log_path(folder, args.env), log_path(folder, args.env), csv_path(folder, args.env)]
-    if args.mode == "ga3c" and args.ray_address is None:
-        files.append(folder / "results.txt")
+    if results_txt(args) is not None:
+        files.append(results_txt(args))
     return [f"{path} is a folder where this run writes its log file: move it away, or pass --log-dir DIR with "
             f"another folder" for path in files if path.is_dir()][:1]
 

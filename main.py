@@ -50,7 +50,7 @@ from averaging import average_line, make_average  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
                         read_weights, remove_stale_temp_files, state_dict_of, write_errors)
-from config import (build_parser, policy_lag_warnings, precision_warnings, run_folder_name,  # noqa: E402
+from config import (build_parser, policy_lag_warnings, precision_warnings, results_txt, run_folder_name,  # noqa: E402
                     greedy_slots_line, short_games_line, train_envs_line, validate)
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
@@ -90,8 +90,8 @@ def folders_to_make(path: Path) -> list[Path]:
 
 
 def results_lines(path: Path) -> int:
-    """The lines in GA3C's ``results.txt`` at ``path`` (0 where there is none, or it is a folder: refused
-    elsewhere)."""
+    """The lines in GA3C's ``results.txt`` at ``path`` (``config.results_txt``; 0 where there is none, or it is a
+    folder: refused elsewhere)."""
     try:
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
@@ -107,7 +107,7 @@ def take_locks(args: Namespace) -> list[RunLock]:
     folders and lock files it made are removed)."""
     wanted = [(Path(args.save_model_dir), "--save-model-dir", ".lock"),
               (Path(args.log_dir), "--log-dir", f".{safe_name(args.env)}.lock")]
-    if args.mode == "ga3c" and args.ray_address is None:
+    if results_txt(args) is not None:
         wanted.append((Path(args.log_dir), "--log-dir", ".results.lock"))
     made, locks = [], []
     try:
@@ -476,8 +476,8 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
                "with another folder")
         problems.append(f"{csv_path(args.log_dir, args.env)} holds {len(games)} monitor game(s) of an earlier run, "
                         f"and this run would add its own to them: {how} (or move the file away)")
-    results = Path(args.log_dir) / "results.txt"  # GA3C's, one per log folder: its lines do not name the env
-    results_games = results_lines(results) if args.mode == "ga3c" and args.ray_address is None else 0
+    results = results_txt(args)
+    results_games = results_lines(results) if results is not None else 0
     if results_games and not (args.load and same_dir):
         problems.append(f"{results} holds {results_games} game(s) of an earlier GA3C run (of this env or another), "
                         f"and this run would add its own to them: to continue that run, pass --load (with its "

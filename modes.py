@@ -112,9 +112,8 @@ class Mode(Protocol):
         path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot(),
                                self.average_model)
         if final and not self.args.save_max:
-            weights, dat = cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env)
-            refuse_non_finite(dat, model=weights)
-            atomic_save(weights, dat)
+            # the played weights were checked finite in save_checkpoint (the shared model or the average)
+            atomic_save(cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env))
         return path
 
     def close(self) -> None:

@@ -145,7 +145,8 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
         while not run.stop.is_set():
             steps_at_start = run.global_steps.value
             sync_weights(model, shared_model)
-            refuse_non_finite(model_path(args.save_model_dir, args.env), model=model.state_dict())  # no game on them
+            # weights gone NaN: no game on them, and no .dat of them (below)
+            refuse_non_finite(model_path(args.save_model_dir, args.env), model=model.state_dict())
             score, length, finished = play_game(model, env, device, seed=seed, should_stop=run.stop.is_set)
             seed = None
             if not finished:
@@ -173,9 +174,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 tb.flush()
             if not args.save_max or score >= best_saved:
                 best_saved = max(best_saved, score)
-                weights, dat = cpu_state_dict(model), model_path(args.save_model_dir, args.env)
-                refuse_non_finite(dat, model=weights)
-                atomic_save(weights, dat)
+                atomic_save(cpu_state_dict(model), model_path(args.save_model_dir, args.env))  # checked finite
             m, s, n = normalizer(env).get_stats()
             run.norm_stats[run.monitor_norm] = torch.tensor([m, s, float(n)], dtype=torch.float64)
             if args.target_score is not None and window_mean is not None and window_mean >= args.target_score:

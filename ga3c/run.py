@@ -24,9 +24,9 @@ import dataclasses
 import multiprocessing as mp
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import lifeline
+from config import results_txt
 from ga3c.agent import AtariEnvFactory, agent_process
 from ga3c.buffers import ACQUIRE, EnvSlots, fence
 from ga3c.dynamic import DynamicAdjuster
@@ -35,10 +35,6 @@ from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, R
 from model import A3Clstm
 from modes import Mode
 from run_state import Flag, RunState
-
-
-def results_path(log_dir: str | Path) -> Path:
-    return Path(log_dir) / "results.txt"
 
 
 class Ga3cRun(Mode):
@@ -118,7 +114,7 @@ class Ga3cRun(Mode):
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
         from test import test
         self._ctx = ctx
-        self.results = ResultsWriter(results_path(self.args.log_dir))
+        self.results = ResultsWriter(results_txt(self.args))
         self.console.restart_clock(time.time())
         lifeline.mark_children()
         self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
