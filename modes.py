@@ -13,11 +13,13 @@ with a default that a mode overrides only when it has something to do there.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing as mp
 from abc import abstractmethod
 from argparse import Namespace
 from pathlib import Path
-from typing import Protocol
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -28,18 +30,31 @@ from model import A3Clstm
 from run_state import RunState
 
 
-def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None, run: RunState,
-                    elapsed: float, extra: dict | None = None, average_model: A3Clstm | None = None) -> Path:
-    """Write the full checkpoint atomically; raises ``CheckpointWriteError`` (one line) when it cannot.
-    ``extra``: a mode's own fields (GA3C: ``ga3c_updates``); either mode ignores the other's. ``average_model``:
-    the moving average of the weights (``--ema-steps``), saved as ``average_model``."""
-    path = checkpoint_path(args.save_model_dir, args.env)
+def copy_tensors(obj):
+    """``obj`` (nested dicts, lists and tuples) with every tensor replaced by a detached CPU copy: what a
+    checkpoint writes is then no view of the live shared weights or statistics, which go on changing."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, copy_tensors(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_tensors(v) for v in obj)
+    return obj
+
+
+def checkpoint_contents(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None,
+                        run: RunState, elapsed: float, extra: dict | None = None,
+                        average_model: A3Clstm | None = None) -> dict:
+    """The full checkpoint as copies (``copy_tensors``): taken between two optimizer steps, it holds that
+    moment's weights and statistics whatever steps are made while it is written. ``extra``: a mode's own fields
+    (GA3C: ``ga3c_updates``); either mode ignores the other's. ``average_model``: the moving average of the
+    weights (``--ema-steps``), saved as ``average_model``."""
     ckpt = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "env": args.env,
         "model": cpu_state_dict(shared_model),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": copy_tensors(optimizer.state_dict()) if optimizer is not None else None,
         "optimizer_name": args.optimizer,
         "elapsed_seconds": float(elapsed),
         "config": config_dict(args),
@@ -48,9 +63,24 @@ def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.opt
     }
     if average_model is not None:
         ckpt["average_model"] = cpu_state_dict(average_model)
+    return ckpt
+
+
+def write_checkpoint(args: Namespace, ckpt: dict) -> Path:
+    """Write ``ckpt`` (``checkpoint_contents``) atomically, after checking that its weights are finite; raises
+    ``CheckpointWriteError`` (one line) when it cannot, ``DivergedError`` when a weight is not finite."""
+    path = checkpoint_path(args.save_model_dir, args.env)
     refuse_non_finite(path, model=ckpt["model"], optimizer=ckpt["optimizer"], average_model=ckpt.get("average_model"))
     atomic_save(ckpt, path)
     return path
+
+
+def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None, run: RunState,
+                    elapsed: float, extra: dict | None = None, average_model: A3Clstm | None = None) -> Path:
+    """``checkpoint_contents`` written by ``write_checkpoint``: the copy is taken by the calling thread, with
+    no lock; a mode whose steps can be held off copies inside ``Mode.between_steps`` instead."""
+    return write_checkpoint(args, checkpoint_contents(args, shared_model, optimizer, run, elapsed, extra,
+                                                      average_model))
 
 
 class Mode(Protocol):
@@ -61,6 +91,7 @@ class Mode(Protocol):
     shared_model: A3Clstm  # in shared memory: the weights the monitor plays and the checkpoint holds
     optimizer: torch.optim.Optimizer | None  # the shared optimizer (None with --no-shared-optimizer)
     run: RunState  # the flags, global steps, monitor statistics and error slots shared with the processes
+    log: logging.Logger  # the run's log (console and <log-dir>/<env>.log)
     failed: str | None = None  # a failure the mode noticed other than a process that ended (Ray: a node's worker)
     average_model: A3Clstm | None = None  # --ema-steps: the moving average of the weights, in shared memory
     procs: list[tuple[str, mp.Process]]  # the processes started so far, each added as soon as it has started
@@ -105,15 +136,32 @@ class Mode(Protocol):
         """Called about five times a second while the run goes on (GA3C's console lines and ``--dynamic``, Ray's
         polls of its actors); nothing by default."""
 
+    def between_steps(self, final: bool) -> ContextManager[bool]:
+        """Held while ``save`` copies the weights and statistics: True inside means no optimizer step runs until
+        it is left, False that the copy is to be skipped. ``final``: every process has stopped. By default True
+        with nothing held: A3G mode's hogwild workers step the shared weights without any lock, so there is no
+        moment between their steps to wait for."""
+        return contextlib.nullcontext(True)
+
     def save(self, elapsed: float, final: bool = False) -> Path:
-        """Write the checkpoint (``save_checkpoint`` with ``snapshot()``) and, when ``final`` and not
-        ``--save-max``, the ``.dat``, from this process; returns the checkpoint's path. Raises
-        ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's instead."""
-        path = save_checkpoint(self.args, self.shared_model, self.optimizer, self.run, elapsed, self.snapshot(),
-                               self.average_model)
+        """Write the checkpoint (``checkpoint_contents`` with ``snapshot()``, copied inside ``between_steps``)
+        and, when ``final`` and not ``--save-max``, the ``.dat``, from this process; returns the checkpoint's
+        path. A periodic checkpoint that ``between_steps`` skips leaves the last one in place, with a line in the
+        log. Raises ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's
+        instead."""
+        path = checkpoint_path(self.args.save_model_dir, self.args.env)
+        with self.between_steps(final) as held:
+            if not held:
+                self.log.info("checkpoint skipped: the weights could not be copied between two optimizer steps "
+                              "(the process stepping them has ended); the last complete checkpoint stays")
+                return path
+            ckpt = checkpoint_contents(self.args, self.shared_model, self.optimizer, self.run, elapsed,
+                                       self.snapshot(), self.average_model)
+            played = ckpt["model"] if self.average_model is None else ckpt["average_model"]
+        write_checkpoint(self.args, ckpt)
         if final and not self.args.save_max:
-            # the played weights were checked finite in save_checkpoint (the shared model or the average)
-            atomic_save(cpu_state_dict(self.played_model), model_path(self.args.save_model_dir, self.args.env))
+            # the played weights, of the same moment, were checked finite by write_checkpoint
+            atomic_save(played, model_path(self.args.save_model_dir, self.args.env))
         return path
 
     def close(self) -> None:

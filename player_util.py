@@ -176,6 +176,24 @@ def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
         lp.copy_(sp)
 
 
+def sync_between_steps(local: torch.nn.Module, shared: torch.nn.Module, step_lock, stopped) -> bool:
+    """``sync_weights`` under ``step_lock`` (GA3C's trainers hold it through each optimizer step), so that the
+    copy is of one moment between two steps; without a lock (A3G's hogwild workers take none) the copy is made at
+    once. While waiting for the lock, ``stopped()`` is checked every half second: a server killed inside a step
+    never releases it, and the run then stops. True when copied, False when stopped first."""
+    if step_lock is None:
+        sync_weights(local, shared)
+        return True
+    while not step_lock.acquire(timeout=0.5):
+        if stopped():
+            return False
+    try:
+        sync_weights(local, shared)
+    finally:
+        step_lock.release()
+    return True
+
+
 @torch.no_grad()
 def play_game(model: A3Clstm, env: gym.Env, device: torch.device, *, seed: int | None = None,
               should_stop=None, on_frame=None, points: list | None = None,

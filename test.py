@@ -28,7 +28,7 @@ from checkpoint import CheckpointWriteError, atomic_save, cpu_state_dict, model_
 from config import config_dict
 from environment import atari_env, load_env_config, normalizer
 from model import A3Clstm
-from player_util import play_game, sync_weights
+from player_util import play_game, sync_between_steps
 from precision import compute_dtype
 from run_state import RunState
 from utils import (close_quietly, describe_failure, end_child_process, ends_mid_line, format_duration,
@@ -111,8 +111,9 @@ def game_interval(args: Namespace, recent: list[float]) -> int:
 
 
 def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
-                elapsed_offset: float = 0.0) -> None:
-    """The monitor loop (see module docstring); returns when ``run.stop`` is set."""
+                elapsed_offset: float = 0.0, step_lock=None) -> None:
+    """The monitor loop (see module docstring); returns when ``run.stop`` is set. Each game's weights are copied
+    under ``step_lock`` where there is one (GA3C: ``player_util.sync_between_steps``)."""
     env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
                     skip_rate=args.skip_rate, episodic_life=False, see_skipped=args.see_skipped_frames)
     mean, std, count = run.norm_stats[run.monitor_norm].tolist()
@@ -144,7 +145,8 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     try:
         while not run.stop.is_set():
             steps_at_start = run.global_steps.value
-            sync_weights(model, shared_model)
+            if not sync_between_steps(model, shared_model, step_lock, run.stop.is_set):
+                break
             # weights gone NaN: no game on them, and no .dat of them (below)
             refuse_non_finite(model_path(args.save_model_dir, args.env), model=model.state_dict())
             score, length, finished = play_game(model, env, device, seed=seed, should_stop=run.stop.is_set)
@@ -202,13 +204,15 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
             tb.close()
 
 
-def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: float = 0.0) -> None:
-    """Process entry point of the monitor; it uses the last of ``--gpu-ids`` (or the CPU)."""
+def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: float = 0.0,
+         step_lock=None) -> None:
+    """Process entry point of the monitor; it uses the last of ``--gpu-ids`` (or the CPU). ``step_lock``: GA3C's
+    (``Ga3cRun.step_lock``), under which each game's weights are copied; None in A3G mode."""
     setup_child_process("monitor")
     device = worker_device(args.gpu_ids, len(args.gpu_ids) - 1)
     try:
         use_device(device)
-        run_monitor(args, shared_model, run, device, elapsed_offset)
+        run_monitor(args, shared_model, run, device, elapsed_offset, step_lock)
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(run.monitor_slot, "monitor", describe_failure(e))

@@ -10,8 +10,10 @@ Processes (all spawned by the main process, bound to it by ``lifeline``, stopped
 Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
 rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
 -> ``max_agents + 2`` (``max_agents + 1`` is unused); plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose
-agent-step slots *are* the run's global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus ``ga3c_updates`` (the model version), so
-either mode resumes the other's.
+agent-step slots *are* the run's global-step slots) and ``EpisodeLog``; and the trainers' ``step_lock``, made here
+and held by the server's trainers for each optimizer step. Checkpoints are the A3G ones plus ``ga3c_updates`` (the
+model version), so either mode resumes the other's; a periodic one is copied under ``step_lock``
+(``between_steps``), so it is of one moment between two steps.
 
 The main process calls ``tick()`` about 5 times a second: it prints GA3C's console line for every finished agent
 game (and appends it to ``<log-dir>/results.txt``) and drives ``--dynamic``. The console line's RScore averages
@@ -20,6 +22,7 @@ its last 100 learner games (from the env slot each game was played in).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
@@ -76,6 +79,7 @@ class Ga3cRun(Mode):
             self.adjuster = DynamicAdjuster((args.trainers, args.predictors, args.agents), (1, 1, 1),
                                             tuple(args.dynamic_max), args.dynamic_seconds, seed=args.seed)
         self._ctx = None
+        self.step_lock = None  # the trainers' (``launch``): held for each optimizer step, and to copy a checkpoint
         self._status_hist = None
         self._status_updates = 0
         self._status_trained = 0
@@ -103,6 +107,27 @@ class Ga3cRun(Mode):
     def snapshot(self) -> dict:
         return {"ga3c_updates": self.counters.version, "ga3c_episodes": self.console.episodes}
 
+    @contextlib.contextmanager
+    def between_steps(self, final: bool):
+        """Hold the trainers' ``step_lock`` while a periodic checkpoint is copied (a few milliseconds), so that
+        it holds the weights, optimizer statistics, moving average and version of one moment between two steps.
+        While waiting for it, check every half second that the server is alive: one that ended (killed inside a
+        step) never releases it, and the copy is then skipped (False). The final checkpoint takes no lock: every
+        process has stopped, and a server that stopped keeps it (``Server.close``: it exits between steps)."""
+        lock = self.step_lock
+        if final or lock is None:
+            yield True
+            return
+        server = next((p for role, p in self.procs if role == "ga3c server"), None)
+        while not lock.acquire(timeout=0.5):
+            if server is None or not server.is_alive():
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            lock.release()
+
     def slot_of(self, role: str) -> int:
         if role == "monitor":
             return self.run.monitor_slot
@@ -114,14 +139,16 @@ class Ga3cRun(Mode):
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
         from test import test
         self._ctx = ctx
+        self.step_lock = ctx.Lock()
         self.results = ResultsWriter(results_txt(self.args))
         self.console.restart_clock(time.time())
         lifeline.mark_children()
         self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
-                                                     self.buffers, self.counters, self.run, self.average_model))
+                                                     self.buffers, self.counters, self.run, self.average_model,
+                                                     self.step_lock))
         for a in range(self.args.agents):
             self._start_agent(a)
-        self._start("monitor", test, (self.args, self.played_model, self.run, elapsed_offset))
+        self._start("monitor", test, (self.args, self.played_model, self.run, elapsed_offset, self.step_lock))
         self.counters.targets[0], self.counters.targets[1] = self.args.trainers, self.args.predictors
         return self.procs
 

@@ -17,8 +17,10 @@ needs; see ``shared_optim.match_grad_layout``). Why a copy and not the shared mo
 (threads) update one model; a shared parameter modified in place by another trainer's step between this one's
 forward and backward would break autograd, and ``.grad`` of a shared parameter is one attribute per process.
 So the forward and backward run in parallel on private copies, and only the hand-off and the optimizer step
-(milliseconds) hold ``step_lock``, an in-process ``threading.Lock`` (a thread that fails releases it; no
-cross-process lock is involved).
+(milliseconds) hold ``step_lock`` (a thread that fails releases it). In a run it is a lock of the run's
+(``Ga3cRun.step_lock``), which the main process also takes while it copies a periodic checkpoint: the checkpoint
+then holds the weights, the optimizer statistics, the moving average and the version of one moment between two
+steps.
 
 Several passes (``--train-passes K``): ``update`` makes K optimizer steps on one batch, each a fresh copy of the
 shared weights, forward and backward (the clipped surrogate, ``batch_losses``); from the second pass on the

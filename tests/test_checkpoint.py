@@ -186,3 +186,96 @@ def test_a_save_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.os, "fsync", no_folder_sync)
     checkpoint.atomic_save({"w": torch.zeros(2)}, path)
     assert torch.equal(read_weights(path)["w"], torch.zeros(2))
+
+
+def ga3c_mode(tmp_path):
+    """A ``Ga3cRun`` as main builds it, with a trained shared model and Adam, and the run's step lock (``launch``
+    makes it from the spawn context) but no process started."""
+    import logging
+    import multiprocessing as mp
+
+    from ga3c.run import Ga3cRun
+    args = build_parser().parse_args(["--agents", "1", "--envs-per-agent", "2", "--hidden-size", "32",
+                                      "--save-model-dir", str(tmp_path / "m"), "--log-dir", str(tmp_path / "l")])
+    assert validate(args) == []
+    (tmp_path / "m").mkdir()
+    model, opt, _ = trained(args)
+    mode = Ga3cRun(args, model, opt, logging.getLogger("test_checkpoint"))
+    mode.step_lock = mp.get_context("spawn").Lock()
+    return mode
+
+
+class Server:
+    """Stands for the server process in ``Ga3cRun.procs``."""
+
+    def __init__(self, alive: bool):
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_periodic_ga3c_checkpoint_waits_for_the_step_in_progress(tmp_path):
+    """While a trainer holds the step lock (here: a thread that holds it, finishes its "step" 0.3 s later, then
+    releases it), the periodic save waits and writes the weights and statistics of after the step."""
+    import threading
+    import time
+    mode = ga3c_mode(tmp_path)
+    mode.procs = [("ga3c server", Server(alive=True))]
+    weight = mode.shared_model.critic_linear.bias
+    stat = mode.optimizer.state[weight]["exp_avg"]
+    mode.step_lock.acquire()
+
+    def finish_step():
+        time.sleep(0.3)
+        with torch.no_grad():
+            weight.fill_(7.0)
+            stat.fill_(3.0)
+        mode.step_lock.release()
+
+    threading.Thread(target=finish_step).start()
+    path = mode.save(1.0)
+    ckpt = read_weights(path)
+    assert float(ckpt["model"]["critic_linear.bias"][0]) == 7.0
+    index = [p is weight for p in mode.shared_model.parameters()].index(True)
+    assert float(ckpt["optimizer"]["state"][index]["exp_avg"][0]) == 3.0
+    assert mode.step_lock.acquire(timeout=0)  # released by the save
+
+
+def test_a_periodic_ga3c_checkpoint_is_skipped_where_the_server_died_inside_a_step(tmp_path, caplog):
+    """A server killed inside an optimizer step never releases the step lock: the periodic save checks that it
+    is alive while it waits, then skips (one line), leaving the last checkpoint byte for byte. The final save
+    takes no lock (every process has stopped)."""
+    import logging
+    mode = ga3c_mode(tmp_path)
+    mode.procs = [("ga3c server", Server(alive=True))]
+    path = mode.save(1.0)
+    before = path.read_bytes()
+    mode.procs = [("ga3c server", Server(alive=False))]
+    mode.step_lock.acquire()
+    with caplog.at_level(logging.INFO, logger="test_checkpoint"):
+        assert mode.save(2.0) == path
+    assert path.read_bytes() == before
+    assert [r.getMessage() for r in caplog.records] == [
+        "checkpoint skipped: the weights could not be copied between two optimizer steps (the process stepping "
+        "them has ended); the last complete checkpoint stays"]
+    mode.save(3.0, final=True)
+    assert read_weights(path)["elapsed_seconds"] == 3.0
+    assert read_weights(model_path(tmp_path / "m", "PongNoFrameskip-v4"))  # the .dat, written at the end
+
+
+def test_a_ga3c_run_hands_its_step_lock_to_the_server_and_the_monitor(tmp_path, monkeypatch):
+    """``Ga3cRun.launch`` makes the step lock that ``between_steps`` takes and gives the same one to the server
+    (its trainers step under it) and to the monitor (it copies each game's weights under it)."""
+    import multiprocessing as mp
+
+    import lifeline
+    mode = ga3c_mode(tmp_path)
+    mode.step_lock = None
+    (tmp_path / "l").mkdir()
+    started = {}
+    monkeypatch.setattr(lifeline, "mark_children", lambda: None)
+    monkeypatch.setattr(mode, "_start", lambda role, target, target_args: started.setdefault(role, target_args))
+    mode.launch(mp.get_context("spawn"))
+    assert mode.step_lock is not None
+    assert started["ga3c server"][-1] is mode.step_lock and started["monitor"][-1] is mode.step_lock

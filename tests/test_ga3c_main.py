@@ -171,6 +171,42 @@ def test_a_killed_server_or_agent_ends_the_run(launch, tmp_path, role):  # noqa:
     assert f"{ENV_ID}.ckpt" in load_saved(models_dir(tmp_path))
 
 
+def test_a_periodic_checkpoint_is_of_one_moment_between_two_optimizer_steps(launch, tmp_path):  # noqa: F811
+    """Every optimizer step of the server sleeps 0.2 s after it has changed the weights and statistics, before the
+    version moves (a fault hook; the trainer holds its step lock through both): a checkpoint copied then without
+    that lock holds Adam step counts one ahead of its ``ga3c_updates``. In a fresh run every update is one step of
+    every parameter, so each checkpoint's step counts must all equal its ``ga3c_updates``."""
+    from test_faults import HOOKS
+    fired = tmp_path / "fired"
+    run = launch(ga3c_fault_args(tmp_path, "--agents", "1", "--checkpoint-every-seconds", "0.3"), env={
+        "PYTHONPATH": str(HOOKS), "A3G_FAULT": "slow_step", "A3G_FAULT_ROLE": "a3g ga3c server",
+        "A3G_FAULT_FIRED": str(fired)})
+    path = models_dir(tmp_path) / f"{ENV_ID}.ckpt"
+    seen, last = [], [None]
+
+    def step_counts(ckpt: dict) -> tuple[int, set[float]]:
+        return ckpt["ga3c_updates"], {float(s["step"]) for s in ckpt["optimizer"]["state"].values()}
+
+    def enough() -> bool:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        if (st.st_ino, st.st_mtime_ns) != last[0]:  # each write is a new file renamed over the last
+            last[0] = (st.st_ino, st.st_mtime_ns)
+            seen.append(step_counts(torch.load(path, map_location="cpu", weights_only=True)))
+        return sum(1 for updates, _ in seen if updates >= 1) >= 8
+
+    run.poll_until(enough, START_SECONDS + 60, "8 periodic checkpoints after the first update", period=0.05)
+    t = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    check_end(run, t, {143})
+    assert fired.exists(), "the slow-step hook never ran in the server"
+    seen.append(step_counts(load_saved(models_dir(tmp_path))[f"{ENV_ID}.ckpt"]))
+    torn = [(updates, steps) for updates, steps in seen if steps != {float(updates)}]
+    assert not torn, f"checkpoints between an optimizer step and its version: {torn} of {seen}"
+
+
 def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path):  # noqa: F811
     fired = tmp_path / "fired"
     run = launch(ga3c_fault_args(tmp_path, "--trainers", "1", "--agents", "1"), env={

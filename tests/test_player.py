@@ -352,3 +352,35 @@ def test_a_worker_records_per_step_losses_for_the_status_line(tmp_path, monkeypa
     assert 0 < row[4] <= math.log(6) + 1e-6  # a per-step entropy of 6 actions; a rollout's sum is far above
     line = status_line(run, 0.0)
     assert f"per step: policy {expected[0]:.4f} value {expected[1]:.4f} entropy {expected[2]:.3f}" in line, line
+
+
+def test_the_monitors_copy_waits_for_the_step_in_progress_and_gives_up_when_the_run_stops():
+    """``sync_between_steps``: under a lock that a "trainer" holds through its step, the copy is of after the
+    step; where the lock is never released (a server killed inside a step), it returns False once the run
+    stops, without copying; without a lock (A3G mode) it copies at once."""
+    import threading
+    import time
+
+    from player_util import sync_between_steps
+    shared, local = A3Clstm(1, 6, 32), A3Clstm(1, 6, 32)
+    lock = mp.get_context("spawn").Lock()
+    lock.acquire()
+
+    def finish_step():
+        time.sleep(0.3)
+        with torch.no_grad():
+            shared.critic_linear.bias.fill_(5.0)
+        lock.release()
+
+    threading.Thread(target=finish_step).start()
+    with torch.no_grad():
+        assert sync_between_steps(local, shared, lock, stopped=lambda: False)
+    assert float(local.critic_linear.bias.detach()[0]) == 5.0 and lock.acquire(timeout=0)  # copied after; released
+    with torch.no_grad():
+        shared.critic_linear.bias.fill_(6.0)
+        stop = threading.Event()
+        threading.Timer(0.7, stop.set).start()
+        assert not sync_between_steps(local, shared, lock, stopped=stop.is_set)  # the lock is still held
+        assert float(local.critic_linear.bias.detach()[0]) == 5.0
+        assert sync_between_steps(local, shared, None, stopped=lambda: True)
+    assert float(local.critic_linear.bias.detach()[0]) == 6.0

@@ -7,6 +7,11 @@ process named ``A3G_FAULT_ROLE`` (default ``a3g worker 0``) is counted, and step
 creates the file ``A3G_FAULT_FIRED`` (when set), so a test can tell "the fault never fired" from "the run did not
 end". The hook is a global optimizer step pre-hook, so it does not depend on the optimizer's class names.
 
+``A3G_FAULT=slow_step``: every optimizer ``step()`` in the process named ``A3G_FAULT_ROLE`` sleeps
+``A3G_FAULT_SLEEP`` seconds (default 0.2) right after it has changed the weights and statistics (a step post-hook;
+a GA3C trainer holds its step lock until after the version moves, below the step), and the first one creates
+``A3G_FAULT_FIRED``: a state in the middle of a step that a copy without the lock would catch.
+
 ``A3G_FAULT=startup_mask``: every child of a run (a process with ``A3G_MAIN_PID`` in its environment) appends
 ``<pid> blocked`` or ``<pid> unblocked`` to ``A3G_FAULT_FIRED``: whether SIGINT was blocked when its interpreter
 started, which is when a terminal's Ctrl-C would otherwise kill it with "Fatal Python error: init_import_site".
@@ -35,7 +40,26 @@ elif _FAULT:
             return True
         return setproctitle.getproctitle().strip() == want
 
+    def _install_slow_step() -> None:
+        import time
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        pause = float(os.environ.get("A3G_FAULT_SLEEP", "0.2"))
+
+        def hook(optimizer, args, kwargs):
+            if not _role_matches():
+                return
+            fired = os.environ.get("A3G_FAULT_FIRED")
+            if fired and not os.path.exists(fired):
+                with open(fired, "a") as f:
+                    f.write(f"{os.getpid()}\n")
+            time.sleep(pause)
+
+        register_optimizer_step_post_hook(hook)
+
     def _install() -> None:
+        if _FAULT == "slow_step":
+            return _install_slow_step()
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         after = int(os.environ.get("A3G_FAULT_AFTER", "3"))
         calls = [0]
