@@ -42,6 +42,34 @@ STEP_COUNT_FLAGS = ("max_steps", "lr_anneal_steps", "entropy_anneal_steps", "ema
                     "confirm_every_steps")
 
 
+# Peak memory of an update per frame of its rollouts or segments, from ``ru_maxrss`` before and after one update in
+# fp32 (hidden size 512, Pong): an A3G worker's rollout and replay 2.15 MiB, a GA3C trainer's update over lagging
+# frames 2.19 MiB (1.41 in bf16). A queued GA3C segment holds its frames (80 x 80 float32), and with
+# --replay-activations the acting activations too (about 0.9 MiB a frame).
+UPDATE_BYTES_PER_FRAME = int(2.2 * 2**20)
+SEGMENT_BYTES_PER_FRAME = 80 * 80 * 4
+REPLAY_BYTES_PER_FRAME = int(0.9 * 2**20)
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this process's container may use: the cgroup limit where one is set below the machine's
+    physical memory; None where neither can be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        total = None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = int(text)
+            total = limit if total is None else min(total, limit)
+        break
+    return total
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity: ``taskset``, a container's cpuset), which
     ``os.cpu_count`` does not see."""
@@ -480,6 +508,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     errors += validate_ga3c(args)
+    if not errors:  # every size below is valid
+        errors += memory_problems(args)
     errors += validate_train_envs(args)
     errors += frame_flag_problems(args)
     errors += other_mode_flags(args)
@@ -493,6 +523,44 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not any("--gpu-ids" in e for e in errors):
         errors += validate_precision(args)
     return errors
+
+
+def memory_problems(args: argparse.Namespace, memory: int | None = None) -> list[str]:
+    """One line where the run's updates alone would need more memory than this machine has (``memory``, default
+    ``machine_memory()``), so that it is refused at the start instead of killed for memory later: an A3G worker
+    holds a rollout of up to ``--num-steps`` frames (``--distributed-step-size``'s), a GA3C trainer an update of
+    ``--train-batch`` segments of as many frames, and GA3C's queue ``--queue-size`` segments; a rollout or
+    segment ends with its game, so never more than ``--max-episode-length`` frames. Not on Ray, whose nodes'
+    memory is theirs."""
+    if args.ray_address is not None:
+        return []
+    memory = machine_memory() if memory is None else memory
+    if not memory:
+        return []
+    cap = args.max_episode_length
+    if args.mode == "ga3c":
+        trainers = args.dynamic_max[0] if args.dynamic else args.trainers
+        frames = min(args.num_steps, cap)
+        per_queued = SEGMENT_BYTES_PER_FRAME + (REPLAY_BYTES_PER_FRAME if args.replay_activations else 0)
+        need = trainers * args.train_batch * frames * UPDATE_BYTES_PER_FRAME + args.queue_size * frames * per_queued
+        cut = f", cut at --max-episode-length {cap:,}" if args.num_steps > cap else ""
+        what = (f"{trainers} trainer(s) with updates of --train-batch {args.train_batch:,} segments of up to "
+                f"{frames:,} frames (--num-steps {args.num_steps:,}{cut}) and a --queue-size of {args.queue_size:,} "
+                f"segments")
+        fix = "use a smaller --num-steps (default 20), --train-batch or --queue-size"
+    else:
+        steps = args.distributed_step_size or [args.num_steps]
+        lengths = [min(rollout_length(args, r), cap) for r in range(args.workers)]
+        need = sum(lengths) * UPDATE_BYTES_PER_FRAME
+        flag = ("--distributed-step-size " + " ".join(map(str, args.distributed_step_size))
+                if args.distributed_step_size else f"--num-steps {args.num_steps:,}")
+        cut = f", cut at --max-episode-length {cap:,}" if max(steps) > cap else ""
+        what = f"{args.workers} worker(s) with rollouts of up to {max(lengths):,} frames ({flag}{cut})"
+        fix = "use a smaller --num-steps (default 20)" + (" or fewer --workers" if args.workers > 1 else "")
+    if need <= memory:
+        return []
+    return [f"{what} would hold about {need / 2**30:,.1f} GiB (2.2 MiB a frame of an update), more than the "
+            f"{memory / 2**30:.1f} GiB this machine has: {fix}"]
 
 
 def frame_flag_problems(args: argparse.Namespace) -> list[str]:

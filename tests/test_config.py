@@ -340,6 +340,48 @@ def test_a_size_beyond_any_useful_run_is_one_line_and_its_bound_is_not(flag, lim
     assert [e for e in validate(parse(*extra, flag, str(limit), *where)) if "at most" in e] == []
 
 
+def test_updates_that_would_not_fit_in_memory_are_one_line_naming_what_holds_it():
+    """``memory_problems`` against a machine of 8 GiB: frames a frame 2.2 MiB, rollouts and segments cut at the
+    game's end (--max-episode-length); the bound itself and the defaults pass."""
+    from config import UPDATE_BYTES_PER_FRAME, memory_problems
+    gib = 2**30
+
+    def problems(*flags):
+        args = parse(*flags)
+        assert [e for e in validate(args) if "GiB" not in e] == []
+        return memory_problems(args, memory=8 * gib)
+    assert problems("--mode", "a3g") == [] and problems("--mode", "ga3c") == []
+    assert problems("--mode", "a3g", "--workers", "2", "--num-steps", "100000") == [
+        "2 worker(s) with rollouts of up to 10,000 frames (--num-steps 100,000, cut at --max-episode-length 10,000) "
+        "would hold about 43.0 GiB (2.2 MiB a frame of an update), more than the 8.0 GiB this machine has: use a "
+        "smaller --num-steps (default 20) or fewer --workers"]
+    fits = 8 * gib // UPDATE_BYTES_PER_FRAME  # 3,723 frames: one worker's rollout of that many fits, one more not
+    assert problems("--mode", "a3g", "--workers", "1", "--num-steps", str(fits)) == []
+    assert problems("--mode", "a3g", "--workers", "1", "--num-steps", str(fits + 1))[0].endswith(
+        "use a smaller --num-steps (default 20)")
+    assert problems("--mode", "a3g", "--workers", "1", "--num-steps", "100000", "--max-episode-length", "3000") == []
+    # worker r's rollout is the r-th length, round-robin: 20 + 3,000 frames fit, 2 x (20 + 3,000) do not
+    assert problems("--mode", "a3g", "--workers", "3", "--distributed-step-size", "20", "3000") == []
+    assert problems("--mode", "a3g", "--workers", "4", "--distributed-step-size", "20", "3000") == [
+        "4 worker(s) with rollouts of up to 3,000 frames (--distributed-step-size 20 3000) would hold about 13.0 GiB "
+        "(2.2 MiB a frame of an update), more than the 8.0 GiB this machine has: use a smaller --num-steps (default "
+        "20) or fewer --workers"]
+    assert problems("--mode", "ga3c", "--trainers", "2", "--train-batch", "100", "--num-steps", "20") == [
+        "2 trainer(s) with updates of --train-batch 100 segments of up to 20 frames (--num-steps 20) and a "
+        "--queue-size of 8 segments would hold about 8.6 GiB (2.2 MiB a frame of an update), more than the 8.0 GiB "
+        "this machine has: use a smaller --num-steps (default 20), --train-batch or --queue-size"]
+    # queued segments hold their frames (25 kB each): 10,000 x 20 of them 4.8 GiB, 20,000 x 20 9.5 GiB; with the
+    # acting activations (--replay-activations, 0.9 MiB a frame) 10,000 segments do not fit either
+    assert problems("--mode", "ga3c", "--queue-size", "10000") == []
+    assert "--queue-size of 20,000 segments would hold about 9.9 GiB" in problems("--mode", "ga3c", "--queue-size",
+                                                                                    "20000")[0]
+    assert "would hold about 180.9 GiB" in problems("--mode", "ga3c", "--queue-size", "10000",
+                                                    "--replay-activations")[0]
+    # --dynamic may start up to its bound of trainers
+    assert problems("--mode", "ga3c", "--dynamic", "--dynamic-max", "64", "2", "4", "--train-batch", "32")[0].startswith(
+        "64 trainer(s) with updates of --train-batch 32 segments")
+
+
 @pytest.mark.parametrize("flag", ["--save-model-dir", "--log-dir", "--load-model-dir"])
 def test_an_empty_folder_flag_is_refused_not_taken_for_the_current_folder(flag):
     extra = ["--load"] if flag == "--load-model-dir" else []

@@ -205,6 +205,14 @@ def test_gpu_that_does_not_exist(tmp_path):
     assert "CUDA is not available" in line or "GPU 99 does not exist" in line
 
 
+@pytest.mark.parametrize("flags", [["--queue-size", "1000000000"], ["--mode", "a3g", "--num-steps", "100000",
+                                                                     "--workers", "1000"]])
+def test_a_run_that_could_not_fit_in_this_machines_memory_is_refused(tmp_path, flags):
+    """Before, it started and a child was killed for memory (exit -9) once its rollouts or queue had grown."""
+    (line,) = bad(tmp_path, *flags)
+    assert "GiB this machine has: use a smaller --num-steps" in line, line
+
+
 def test_every_problem_reported_at_once(tmp_path):
     lines = bad(tmp_path, "--lr", "-1", "--workers", "0", "--gamma", "2", process=True)
     assert len(lines) == 3
