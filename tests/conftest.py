@@ -61,6 +61,20 @@ def always_noop_model(n_actions: int, hidden: int = 16, action: int = 0):
     return m
 
 
+@pytest.fixture(autouse=True)
+def no_main_pid_left_behind():
+    """A test that builds part of a run in this process (a Ray ``HogwildNode``, ``benchmark.run``) marks pytest as
+    the main process of what it starts (``lifeline.mark_children`` sets ``A3G_MAIN_PID``). Left set, every process
+    a later test starts would take pytest for its main process (and main.py would bind to it), so it is put back
+    as it was after each test."""
+    before = os.environ.get("A3G_MAIN_PID")
+    yield
+    if before is None:
+        os.environ.pop("A3G_MAIN_PID", None)
+    else:
+        os.environ["A3G_MAIN_PID"] = before
+
+
 @pytest.fixture
 def env_config() -> str:
     return str(ROOT / "config.json")
