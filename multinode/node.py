@@ -48,6 +48,12 @@ def local_gpu_ids(gpu_ids: list[int]) -> list[int] | None:
     return [distinct.index(g) for g in gpu_ids]
 
 
+def one_line(e: BaseException) -> str:
+    """``TypeName: the message's last line`` (at most 200 characters): a remote error's text is a traceback."""
+    text = str(e).strip()
+    return type(e).__name__ + (f": {text.splitlines()[-1][:200]}" if text else "")
+
+
 class Uplink:
     """A node's pushes to the parameter server (``call(method, *args)``), each applied at most once.
 
@@ -136,6 +142,9 @@ class HogwildNode:
         self.sync_seconds = 0.0  # wall time of the successful syncs (copying, the round trip, rebasing)
         self.failed_syncs = 0
         self.last_sync = time.time()
+        self.sync_error = ""  # the last failed sync's error, one line (kept until a sync succeeds)
+        self._failing_since: float | None = None  # monotonic time of the first failure since the last success
+        self._sync_ended = ""  # why the sync thread ended other than by stop(), one line
         self.procs = launch(mp.get_context("spawn"), self.args, self.model, self.optimizer, self.run, monitor=False)
         self._worker_pids = [p.pid for _, p in self.procs]  # readable after shutdown() closed the processes
         self._thread = threading.Thread(target=self._sync_loop, name=f"node {index} sync", daemon=True)
@@ -143,8 +152,11 @@ class HogwildNode:
 
     # ---- syncing --------------------------------------------------------------------------------------------
     def _sync_loop(self) -> None:
-        while not self._halt.wait(self.args.sync_seconds):
-            self.sync()
+        try:
+            while not self._halt.wait(self.args.sync_seconds):
+                self.sync()
+        except BaseException as e:  # the node would train on alone: health() reports it, and the driver ends the run
+            self._sync_ended = one_line(e)
 
     def _stats(self) -> list[float] | None:
         stats = self.run.update_stats
@@ -172,9 +184,13 @@ class HogwildNode:
             t0 = time.perf_counter()
             try:
                 self.uplink.sync(self.live, self.run.global_steps.value, self._stats(), self._payload(final))
-            except Exception:  # the server is busy, restarting or unreachable: try again next time
+            except Exception as e:  # the server is busy, restarting or unreachable: try again next time
                 self.failed_syncs += 1
+                self.sync_error = one_line(e)
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
                 return False
+            self.sync_error, self._failing_since = "", None
             self.syncs += 1
             self.sync_seconds += time.perf_counter() - t0
             self.last_sync = time.time()
@@ -182,13 +198,20 @@ class HogwildNode:
 
     # ---- what the driver calls ------------------------------------------------------------------------------
     def health(self) -> dict:
-        """Its processes, and any that ended (a worker never ends on its own here: the node has no budget)."""
+        """Its processes, and any that ended (a worker never ends on its own here: the node has no budget); its
+        syncs: ``failing_for`` the seconds since the first of the failed syncs that followed the last successful
+        one (None while the last one succeeded), ``sync_error`` the last failure, ``sync_ended`` why the sync
+        thread ended before ``stop`` ("" while it runs)."""
+        since = self._failing_since
         return {"pid": os.getpid(), "host": os.uname().nodename, "joins": self.joins,
                 "workers": list(self._worker_pids),
                 "dead": [] if self._halt.is_set() else [(role, p.exitcode) for role, p in self.procs
                                                         if not p.is_alive()],
                 "errors": self.run.errors.read_all(), "syncs": self.syncs, "failed_syncs": self.failed_syncs,
-                "sync_seconds": self.sync_seconds, "steps": self.run.global_steps.value}
+                "sync_seconds": self.sync_seconds, "steps": self.run.global_steps.value,
+                "failing_for": None if since is None else time.monotonic() - since, "sync_error": self.sync_error,
+                "sync_ended": self._sync_ended or ("" if self._halt.is_set() or self._thread.is_alive() else
+                                                   "it ended without an error")}
 
     def stop(self) -> dict:
         """Stop the workers (``a3g.run.shutdown``), then make a last sync so that their last updates count."""

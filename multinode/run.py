@@ -520,8 +520,9 @@ class RayRun(Mode):
 
     def _node_answered(self, i: int, h, now: float) -> None:
         if isinstance(h, Exception):  # it died (Ray restarts it and it rejoins) or failed to start
-            text = str(h).strip()
-            self._node_error[i] = type(h).__name__ + (f": {text.splitlines()[-1][:200]}" if text else "")
+            from multinode.node import one_line
+            text = str(h)
+            self._node_error[i] = one_line(h)
             if "creation task" in text and self.failed is None:  # its constructor raised: a restart would too
                 self.failed = f"node {i} could not start ({self._node_error[i]})"
             if self.node_info[i] is not None and self.node_info[i].get("pid"):
@@ -538,6 +539,16 @@ class RayRun(Mode):
             role, code = h["dead"][0]
             self.failed = f"node {i}: {role} exited unexpectedly (exit code {code})"
             self._errors += [(f"node {i} {r}", t) for r, t in h["errors"]]
+        if h.get("sync_ended") and self.failed is None:
+            self.failed = (f"node {i}: its sync thread ended ({h['sync_ended']}); the node would train on without "
+                           f"the others")
+        failing = h.get("failing_for")
+        # while the server answers the driver: a server that is down makes every node's syncs fail, and has its own
+        # limit (tick)
+        if failing is not None and failing > NODE_START_SECONDS and self._ps_down_since is None \
+                and self.failed is None:
+            self.failed = (f"node {i} has not synced with the parameter server for {failing:.0f} s while the server "
+                           f"answers the driver (last error: {h['sync_error']})")
 
     def status(self, rate: float, span: float) -> tuple[str, dict]:
         line = f"steps {self.run.global_steps.value:,} ({rate:.0f} steps/s)"

@@ -258,6 +258,93 @@ def idle_node(tmp_path):
     server.close()
 
 
+def test_a_node_reports_how_long_its_syncs_have_failed_and_the_last_error(idle_node, monkeypatch):
+    """A sync that raises is counted as failed and tried again later (the server may be restarting); what failed
+    and since when go into the node's health, so that the driver can tell a server that is back from a node whose
+    every sync fails. A successful sync clears both."""
+    node, server, start, train = idle_node
+    assert node.health()["failing_for"] is None and node.health()["sync_error"] == ""
+    real = server.call
+
+    def broken(method, *args):
+        if method == "push":
+            raise ValueError("line 1 of a remote traceback\nValueError: the change has another shape")
+        return real(method, *args)
+    monkeypatch.setattr(server, "call", broken)
+    node.uplink._call = broken
+    train(change_of(start, 0.25), 10)
+    assert not node.sync() and not node.sync()
+    h = node.health()
+    assert h["failed_syncs"] == 2 and h["sync_error"] == "ValueError: ValueError: the change has another shape"
+    assert 0 <= h["failing_for"] < 60 and h["sync_ended"] == ""
+    node.uplink._call = real
+    assert node.sync()
+    h = node.health()
+    assert h["failing_for"] is None and h["sync_error"] == "" and server.ps.global_steps == 10
+
+
+def test_a_nodes_sync_thread_that_ends_is_reported(tmp_path, monkeypatch):
+    """The sync thread catches a failed sync's error and tries again; anything else that ends it (here a
+    ``SystemExit`` from inside a sync) would leave the node training alone: its health says why it ended."""
+    from model import A3Clstm
+    from multinode.node import HogwildNode
+    from multinode.ps import ParameterServer
+    args = ps_args(tmp_path, nodes=1, workers=0, sync_seconds=0.05, merge="sum")
+    ps = ParameterServer(args, "run-1")
+    assert ps.begin({k: v.clone() for k, v in A3Clstm(1, 6, 32).state_dict().items()}, 0, None, fields())[0]
+    server = QueuedServer(ps)
+
+    def ends(self, final=False):
+        raise SystemExit("the sync ended")
+    monkeypatch.setattr(HogwildNode, "sync", ends)
+    node = HogwildNode(args, 0, server.call, 6)
+    try:
+        deadline = time.monotonic() + 30
+        while node.health()["sync_ended"] == "" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.health()["sync_ended"] == "SystemExit: the sync ended"
+    finally:
+        monkeypatch.undo()
+        node.stop()
+        server.close()
+
+
+def test_the_driver_ends_the_run_for_a_node_that_cannot_sync_while_the_server_answers():
+    """A node whose syncs have failed for ``NODE_START_SECONDS`` while the parameter server answers the driver
+    fails the run, naming the last error; not while the server is down (every node's syncs fail then, and the
+    server's silence has its own limit); a sync thread that ended fails it at once."""
+    from config import build_parser
+    from multinode.run import NODE_START_SECONDS, RayRun
+    args = build_parser().parse_args(["--ray-address", "local", "--nodes", "2", "--workers", "1"])
+
+    class Log:
+        def info(self, line):
+            pass
+
+    def health(failing_for=None, ended=""):
+        return {"pid": 7, "host": "h", "workers": [8], "dead": [], "errors": [], "failing_for": failing_for,
+                "sync_error": "ValueError: bad shape" if failing_for is not None else "", "sync_ended": ended}
+
+    def driver():  # as launch() leaves it, every node up
+        run = RayRun(args, torch.nn.Linear(1, 1), None, Log(), ray_module=object())
+        run._node_down_since, run._node_error = [None, None], ["", ""]
+        return run
+
+    run = driver()
+    run._node_answered(0, health(failing_for=NODE_START_SECONDS - 1), 0.0)
+    assert run.failed is None
+    run._ps_down_since = 1.0  # the server is down: the node's failures are its
+    run._node_answered(0, health(failing_for=NODE_START_SECONDS + 1), 2.0)
+    assert run.failed is None
+    run._ps_down_since = None
+    run._node_answered(1, health(failing_for=NODE_START_SECONDS + 1), 3.0)
+    assert run.failed == ("node 1 has not synced with the parameter server for 601 s while the server answers the "
+                          "driver (last error: ValueError: bad shape)")
+    run = driver()
+    run._node_answered(0, health(ended="MemoryError"), 0.0)
+    assert run.failed == "node 0: its sync thread ended (MemoryError); the node would train on without the others"
+
+
 def test_a_push_that_times_out_and_runs_later_is_applied_once(idle_node):
     """The push waits behind a busy server past the node's timeout, and runs later: the next syncs (one while it
     still waits, one after) must not send its change and steps again."""
