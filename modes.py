@@ -13,13 +13,12 @@ with a default that a mode overrides only when it has something to do there.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 from abc import abstractmethod
 from argparse import Namespace
 from pathlib import Path
-from typing import ContextManager, Protocol
+from typing import Protocol
 
 import torch
 
@@ -77,8 +76,8 @@ def write_checkpoint(args: Namespace, ckpt: dict) -> Path:
 
 def save_checkpoint(args: Namespace, shared_model: A3Clstm, optimizer: torch.optim.Optimizer | None, run: RunState,
                     elapsed: float, extra: dict | None = None, average_model: A3Clstm | None = None) -> Path:
-    """``checkpoint_contents`` written by ``write_checkpoint``: the copy is taken by the calling thread, with
-    no lock; a mode whose steps can be held off copies inside ``Mode.between_steps`` instead."""
+    """``checkpoint_contents`` written by ``write_checkpoint``, the copy made at once (``Mode.save`` makes it
+    through the mode's ``consistent``)."""
     return write_checkpoint(args, checkpoint_contents(args, shared_model, optimizer, run, elapsed, extra,
                                                       average_model))
 
@@ -136,31 +135,28 @@ class Mode(Protocol):
         """Called about five times a second while the run goes on (GA3C's console lines and ``--dynamic``, Ray's
         polls of its actors); nothing by default."""
 
-    def between_steps(self, final: bool) -> ContextManager[bool]:
-        """Held while ``save`` copies the weights and statistics: True inside means no optimizer step runs until
-        it is left, False that the copy is to be skipped. ``final``: every process has stopped. By default True
-        with nothing held: A3G mode's hogwild workers step the shared weights without any lock, so there is no
-        moment between their steps to wait for."""
-        return contextlib.nullcontext(True)
+    def consistent(self, copy, final: bool):
+        """``copy()`` (the checkpoint's contents) of one moment between two optimizer steps where the mode has such
+        moments, or None, with a line in the log, where none was found: the checkpoint is then not written and the
+        last complete one stays. ``final``: every process has stopped. By default the copy is made at once: A3G
+        mode's hogwild workers step the shared weights without any lock, so there is no moment between their
+        steps to wait for."""
+        return copy()
 
     def save(self, elapsed: float, final: bool = False) -> Path:
-        """Write the checkpoint (``checkpoint_contents`` with ``snapshot()``, copied inside ``between_steps``)
-        and, when ``final`` and not ``--save-max``, the ``.dat``, from this process; returns the checkpoint's
-        path. A periodic checkpoint that ``between_steps`` skips leaves the last one in place, with a line in the
-        log. Raises ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's
-        instead."""
+        """Write the checkpoint (``checkpoint_contents`` with ``snapshot()``, copied through ``consistent``) and,
+        when ``final`` and not ``--save-max``, the ``.dat`` of the same moment, from this process; returns the
+        checkpoint's path (where ``consistent`` found no moment, the last complete checkpoint's, left as it was).
+        Raises ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's instead."""
         path = checkpoint_path(self.args.save_model_dir, self.args.env)
-        with self.between_steps(final) as held:
-            if not held:
-                self.log.info("checkpoint skipped: the weights could not be copied between two optimizer steps "
-                              "(the process stepping them has ended); the last complete checkpoint stays")
-                return path
-            ckpt = checkpoint_contents(self.args, self.shared_model, self.optimizer, self.run, elapsed,
-                                       self.snapshot(), self.average_model)
-            played = ckpt["model"] if self.average_model is None else ckpt["average_model"]
+        ckpt = self.consistent(lambda: checkpoint_contents(self.args, self.shared_model, self.optimizer, self.run,
+                                                           elapsed, self.snapshot(), self.average_model), final)
+        if ckpt is None:
+            return path
         write_checkpoint(self.args, ckpt)
         if final and not self.args.save_max:
             # the played weights, of the same moment, were checked finite by write_checkpoint
+            played = ckpt["model"] if self.average_model is None else ckpt["average_model"]
             atomic_save(played, model_path(self.args.save_model_dir, self.args.env))
         return path
 

@@ -176,22 +176,17 @@ def sync_weights(local: torch.nn.Module, shared: torch.nn.Module) -> None:
         lp.copy_(sp)
 
 
-def sync_between_steps(local: torch.nn.Module, shared: torch.nn.Module, step_lock, stopped) -> bool:
-    """``sync_weights`` under ``step_lock`` (GA3C's trainers hold it through each optimizer step), so that the
-    copy is of one moment between two steps; without a lock (A3G's hogwild workers take none) the copy is made at
-    once. While waiting for the lock, ``stopped()`` is checked every half second: a server killed inside a step
-    never releases it, and the run then stops. True when copied, False when stopped first."""
-    if step_lock is None:
+def sync_between_steps(local: torch.nn.Module, shared: torch.nn.Module, gate, stopped) -> bool:
+    """``sync_weights`` between two optimizer steps of GA3C's trainers (``gate``: the run's ``ga3c.gate.StepGate``,
+    read as the monitor; waiting until ``stopped()``); at once without a gate (A3G's hogwild workers have no
+    moment between steps). True when copied, False when the run stopped first (a server killed inside a step
+    leaves no moment after it)."""
+    if gate is None:
         sync_weights(local, shared)
         return True
-    while not step_lock.acquire(timeout=0.5):
-        if stopped():
-            return False
-    try:
-        sync_weights(local, shared)
-    finally:
-        step_lock.release()
-    return True
+    from ga3c.gate import MONITOR
+    return gate.read(lambda: sync_weights(local, shared) or True, MONITOR, alive=lambda: not stopped(),
+                     timeout=None) is not None
 
 
 @torch.no_grad()

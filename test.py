@@ -111,9 +111,9 @@ def game_interval(args: Namespace, recent: list[float]) -> int:
 
 
 def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: torch.device,
-                elapsed_offset: float = 0.0, step_lock=None) -> None:
+                elapsed_offset: float = 0.0, gate=None) -> None:
     """The monitor loop (see module docstring); returns when ``run.stop`` is set. Each game's weights are copied
-    under ``step_lock`` where there is one (GA3C: ``player_util.sync_between_steps``)."""
+    between two optimizer steps where there is a ``gate`` (GA3C: ``player_util.sync_between_steps``)."""
     env = atari_env(args.env, load_env_config(args.env_config, args.env), max_episode_length=args.max_episode_length,
                     skip_rate=args.skip_rate, episodic_life=False, see_skipped=args.see_skipped_frames)
     mean, std, count = run.norm_stats[run.monitor_norm].tolist()
@@ -145,7 +145,7 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
     try:
         while not run.stop.is_set():
             steps_at_start = run.global_steps.value
-            if not sync_between_steps(model, shared_model, step_lock, run.stop.is_set):
+            if not sync_between_steps(model, shared_model, gate, run.stop.is_set):
                 break
             # weights gone NaN: no game on them, and no .dat of them (below)
             refuse_non_finite(model_path(args.save_model_dir, args.env), model=model.state_dict())
@@ -205,14 +205,15 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
 
 
 def test(args: Namespace, shared_model: A3Clstm, run: RunState, elapsed_offset: float = 0.0,
-         step_lock=None) -> None:
-    """Process entry point of the monitor; it uses the last of ``--gpu-ids`` (or the CPU). ``step_lock``: GA3C's
-    (``Ga3cRun.step_lock``), under which each game's weights are copied; None in A3G mode."""
+         gate=None) -> None:
+    """Process entry point of the monitor; it uses the last of ``--gpu-ids`` (or the CPU). ``gate``: GA3C's
+    ``ga3c.gate.StepGate``, through which each game's weights are copied between two optimizer steps; None in A3G
+    mode."""
     setup_child_process("monitor")
     device = worker_device(args.gpu_ids, len(args.gpu_ids) - 1)
     try:
         use_device(device)
-        run_monitor(args, shared_model, run, device, elapsed_offset, step_lock)
+        run_monitor(args, shared_model, run, device, elapsed_offset, gate)
     except BaseException as e:  # report (never blocks), then exit non-zero: the main process stops the run
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             run.errors.report(run.monitor_slot, "monitor", describe_failure(e))

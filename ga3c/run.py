@@ -10,10 +10,9 @@ Processes (all spawned by the main process, bound to it by ``lifeline``, stopped
 Shared state is ``run_state.RunState`` (flags, global steps, the monitor's statistics, errors, normalisation
 rows: one per env slot, the monitor's last), with process slots agent a -> a, server -> ``max_agents``, monitor
 -> ``max_agents + 2`` (``max_agents + 1`` is unused); plus GA3C's ``EnvSlots``, ``Ga3cCounters`` (whose
-agent-step slots *are* the run's global-step slots) and ``EpisodeLog``; and the trainers' ``step_lock``, made here
-and held by the server's trainers for each optimizer step. Checkpoints are the A3G ones plus ``ga3c_updates`` (the
-model version), so either mode resumes the other's; a periodic one is copied under ``step_lock``
-(``between_steps``), so it is of one moment between two steps.
+agent-step slots *are* the run's global-step slots) and ``EpisodeLog``. Checkpoints are the A3G ones plus
+``ga3c_updates`` (the model version), so either mode resumes the other's; each is copied between two optimizer
+steps (``consistent``: the counters' ``StepGate``, ``ga3c.gate``), as the monitor copies each game's weights.
 
 The main process calls ``tick()`` about 5 times a second: it prints GA3C's console line for every finished agent
 game (and appends it to ``<log-dir>/results.txt``) and drives ``--dynamic``. The console line's RScore averages
@@ -22,7 +21,6 @@ its last 100 learner games (from the env slot each game was played in).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
@@ -33,11 +31,14 @@ from config import results_txt
 from ga3c.agent import AtariEnvFactory, agent_process
 from ga3c.buffers import ACQUIRE, EnvSlots, fence
 from ga3c.dynamic import DynamicAdjuster
+from ga3c.gate import MAIN
 from ga3c.server import ga3c_devices, server_process
 from ga3c.stats import TRAINER_FIELDS, ConsoleStats, EpisodeLog, Ga3cCounters, ResultsWriter, ScoresById
 from model import A3Clstm
 from modes import Mode
 from run_state import Flag, RunState
+
+STEP_WAIT_SECONDS = 10.0  # a periodic checkpoint waits this long at most for a moment between two optimizer steps
 
 
 class Ga3cRun(Mode):
@@ -79,7 +80,6 @@ class Ga3cRun(Mode):
             self.adjuster = DynamicAdjuster((args.trainers, args.predictors, args.agents), (1, 1, 1),
                                             tuple(args.dynamic_max), args.dynamic_seconds, seed=args.seed)
         self._ctx = None
-        self.step_lock = None  # the trainers' (``launch``): held for each optimizer step, and to copy a checkpoint
         self._status_hist = None
         self._status_updates = 0
         self._status_trained = 0
@@ -107,26 +107,26 @@ class Ga3cRun(Mode):
     def snapshot(self) -> dict:
         return {"ga3c_updates": self.counters.version, "ga3c_episodes": self.console.episodes}
 
-    @contextlib.contextmanager
-    def between_steps(self, final: bool):
-        """Hold the trainers' ``step_lock`` while a periodic checkpoint is copied (a few milliseconds), so that
-        it holds the weights, optimizer statistics, moving average and version of one moment between two steps.
-        While waiting for it, check every half second that the server is alive: one that ended (killed inside a
-        step) never releases it, and the copy is then skipped (False). The final checkpoint takes no lock: every
-        process has stopped, and a server that stopped keeps it (``Server.close``: it exits between steps)."""
-        lock = self.step_lock
-        if final or lock is None:
-            yield True
-            return
-        server = next((p for role, p in self.procs if role == "ga3c server"), None)
-        while not lock.acquire(timeout=0.5):
-            if server is None or not server.is_alive():
-                yield False
-                return
-        try:
-            yield True
-        finally:
-            lock.release()
+    def consistent(self, copy, final: bool):
+        """``copy()`` made between two optimizer steps (``StepGate.read``), waiting up to ``STEP_WAIT_SECONDS``
+        and while every process of the run is alive; None, with a line in the log, where there was no such moment.
+        The final copy does not wait: every process has stopped, a stopped server between two steps; but where the
+        server ended inside one (killed), the shared weights hold that step half applied, and nothing is copied,
+        so that the last complete checkpoint stays."""
+        gate = self.counters.gate
+        if final:
+            if gate.in_step():
+                self.log.info("the final checkpoint is not written: the ga3c server ended inside an optimizer step, "
+                              "so the shared weights hold that step half applied; the last complete checkpoint "
+                              "stays")
+                return None
+            return copy()
+        result = gate.read(copy, MAIN, alive=lambda: all(p.is_alive() for _, p in self.procs),
+                           timeout=STEP_WAIT_SECONDS)
+        if result is None:
+            self.log.info(f"checkpoint skipped: no moment between two optimizer steps within {STEP_WAIT_SECONDS:g} s "
+                          f"(or a process of the run ended meanwhile); the last complete checkpoint stays")
+        return result
 
     def slot_of(self, role: str) -> int:
         if role == "monitor":
@@ -139,16 +139,15 @@ class Ga3cRun(Mode):
     def launch(self, ctx, elapsed_offset: float = 0.0) -> list[tuple[str, mp.Process]]:
         from test import test
         self._ctx = ctx
-        self.step_lock = ctx.Lock()
         self.results = ResultsWriter(results_txt(self.args))
         self.console.restart_clock(time.time())
         lifeline.mark_children()
         self._start("ga3c server", server_process, (self.server_slot, self.args, self.shared_model, self.optimizer,
-                                                     self.buffers, self.counters, self.run, self.average_model,
-                                                     self.step_lock))
+                                                     self.buffers, self.counters, self.run, self.average_model))
         for a in range(self.args.agents):
             self._start_agent(a)
-        self._start("monitor", test, (self.args, self.played_model, self.run, elapsed_offset, self.step_lock))
+        self._start("monitor", test, (self.args, self.played_model, self.run, elapsed_offset,
+                                         self.counters.gate))
         self.counters.targets[0], self.counters.targets[1] = self.args.trainers, self.args.predictors
         return self.procs
 

@@ -79,7 +79,7 @@ class Server:
                  settings: Ga3cSettings, stop, *, num_predictors: int = 1, num_trainers: int = 1,
                  device: torch.device | str = "cpu", trainer_devices: list | None = None,
                  predictor_devices: list | None = None, sync_every: int = 1, seed: int = 0,
-                 average_model: A3Clstm | None = None, step_lock=None):
+                 average_model: A3Clstm | None = None):
         self.shared_model = shared_model
         self.average_model = average_model
         self.optimizer = optimizer
@@ -99,8 +99,7 @@ class Server:
         self.open_segments: dict = {}
         self.failures: list[tuple[str, str]] = []
         self.threads: list[threading.Thread] = []
-        # hand-off + optimizer step only (see trainer.py); a run's is the main process's (``Ga3cRun.step_lock``)
-        self.step_lock = step_lock if step_lock is not None else threading.Lock()
+        self.step_lock = threading.Lock()  # hand-off + optimizer step only (see trainer.py)
         self._private_models: dict[int, A3Clstm] = {}
         self.predictors: list[Predictor] = []
         self._predictor_builds = 0  # how many sets of predictors were built (``--dynamic`` builds a new set)
@@ -251,11 +250,10 @@ class Server:
 
 
 def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters, stop,
-                 average_model: A3Clstm | None = None, step_lock=None) -> Server:
+                 average_model: A3Clstm | None = None) -> Server:
     """The server of a run with ``args`` (not started): on the devices of ``--gpu-ids``, with the run's shared
     ``optimizer``, or a private one built here when it is None (``--no-shared-optimizer``); its trainers update
-    ``average_model`` (``--ema-steps``) once per batch, after its last step, and step under ``step_lock`` (a new
-    ``threading.Lock`` when None)."""
+    ``average_model`` (``--ema-steps``) once per batch, after its last step."""
     from shared_optim import make_optimizer
     trainer_devices, predictor_devices = ga3c_devices(args.gpu_ids)
     if optimizer is None:
@@ -264,16 +262,14 @@ def build_server(args: Namespace, shared_model: A3Clstm, optimizer, buffers: Env
     return Server(shared_model, optimizer, buffers, counters, Ga3cSettings.from_args(args), stop,
                   num_predictors=args.predictors, num_trainers=args.trainers, trainer_devices=trainer_devices,
                   predictor_devices=predictor_devices, sync_every=args.sync_every, seed=args.seed,
-                  average_model=average_model, step_lock=step_lock)
+                  average_model=average_model)
 
 
 def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer, buffers: EnvSlots, counters,
-                   run, average_model: A3Clstm | None = None, step_lock=None) -> None:
+                   run, average_model: A3Clstm | None = None) -> None:
     """Process entry point of GA3C's server: predictors and trainers over ``shared_model`` until ``run.stop``.
 
-    ``optimizer`` is the run's shared optimizer, or None for a private one (``--no-shared-optimizer``).
-    ``step_lock``: the run's (``Ga3cRun.step_lock``), which the main process also takes to copy a periodic
-    checkpoint between two optimizer steps; a ``threading.Lock`` of this process's own when None. With
+    ``optimizer`` is the run's shared optimizer, or None for a private one (``--no-shared-optimizer``). With
     ``--dynamic`` it follows the main process's wanted counts in ``counters.targets``. A failed thread (or any
     error here) is reported in ``run.errors[slot]`` and the process exits with code 1.
     """
@@ -290,8 +286,7 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
     try:
         use_device(ga3c_devices(args.gpu_ids)[0][0])
         torch.manual_seed(args.seed)
-        server = build_server(args, shared_model, optimizer, buffers, counters, run.stop, average_model,
-                              step_lock).start()
+        server = build_server(args, shared_model, optimizer, buffers, counters, run.stop, average_model).start()
         run.mark_ready(slot)
         while not run.stop.is_set() and not server.halt.is_set():
             if args.dynamic:

@@ -6,7 +6,8 @@ Like ``run_state``, everything shared is a tensor in shared memory with one writ
   and per-update statistics (one per trainer), plus a base slot each for resumed runs. Sums are exact: every
   agent step is counted once by the process that took it (upstream GA3C summed episode lengths that were
   over-counted by about 20%, which inflated its PPS). The sum of the update slots is the model *version* that
-  predictors stamp on every action, so a trainer can measure the policy lag.
+  predictors stamp on every action, so a trainer can measure the policy lag. Its ``gate`` (``ga3c.gate.StepGate``)
+  marks each optimizer step, so that other processes copy the weights between two steps.
 - ``EpisodeLog``: per agent process a ring of finished games (end time, unclipped score, length, env slot); the
   process that prints reads every agent's new entries by count, so nothing blocks and nothing is pickled.
 - ``ConsoleStats``: GA3C's per-episode line
@@ -29,6 +30,7 @@ import torch
 
 from checkpoint import write_errors
 from ga3c.buffers import ACQUIRE, RELEASE, fence
+from ga3c.gate import StepGate
 from utils import close_quietly, ends_mid_line
 
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
@@ -61,6 +63,7 @@ class Ga3cCounters:
         self.lag_hist = torch.zeros(max_trainers, LAG_BINS, dtype=torch.int64).share_memory_()
         self.active = torch.zeros(3, dtype=torch.int32).share_memory_()
         self.targets = torch.zeros(3, dtype=torch.int32).share_memory_()  # --dynamic: wanted NT, NP (NA: main)
+        self.gate = StepGate()  # the trainers mark each step in it; the main process and the monitor copy between
 
     # writers, each on its own slot
     def add_steps(self, agent: int, n: int) -> None:

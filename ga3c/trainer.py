@@ -17,10 +17,10 @@ needs; see ``shared_optim.match_grad_layout``). Why a copy and not the shared mo
 (threads) update one model; a shared parameter modified in place by another trainer's step between this one's
 forward and backward would break autograd, and ``.grad`` of a shared parameter is one attribute per process.
 So the forward and backward run in parallel on private copies, and only the hand-off and the optimizer step
-(milliseconds) hold ``step_lock`` (a thread that fails releases it). In a run it is a lock of the run's
-(``Ga3cRun.step_lock``), which the main process also takes while it copies a periodic checkpoint: the checkpoint
-then holds the weights, the optimizer statistics, the moving average and the version of one moment between two
-steps.
+(milliseconds) hold ``step_lock``, an in-process ``threading.Lock`` (a thread that fails releases it; no
+cross-process lock is involved). Inside it each step is marked in the counters' ``StepGate`` (``ga3c.gate``), so
+that the main process (a checkpoint) and the monitor (a game's weights) copy the weights, the optimizer
+statistics, the moving average and the version of one moment between two steps.
 
 Several passes (``--train-passes K``): ``update`` makes K optimizer steps on one batch, each a fresh copy of the
 shared weights, forward and backward (the clipped surrogate, ``batch_losses``); from the second pass on the
@@ -48,6 +48,7 @@ import torch
 
 from averaging import update_average
 from ga3c.batch_losses import batched_a3c_loss, flat_index, padded
+from ga3c.gate import NO_GATE
 from ga3c.segment import ACT_FIELDS, Segment, cat_rows, conv_blocks
 from ga3c.settings import Ga3cSettings
 from losses import A3CLoss
@@ -201,6 +202,8 @@ class Trainer:
         self.settings = settings
         self.index = index
         self.counters = counters
+        # other processes' copies of the shared weights wait for the end of a step (``ga3c.gate``)
+        self.gate = counters.gate if counters is not None else NO_GATE
         self.device = torch.device(device)
         self.step_lock = step_lock if step_lock is not None else contextlib.nullcontext()
         model = A3Clstm(shared_model.conv1.in_channels, shared_model.num_actions, shared_model.hidden_size)
@@ -240,7 +243,7 @@ class Trainer:
         for p in range(passes):
             if p > 0 and stop is not None and stop.is_set():
                 if self.average is not None:  # the passes made are applied: the average takes them in once
-                    with self.step_lock:
+                    with self.step_lock, self.gate.writing():
                         update_average(self.average, self.shared, result.steps, self.settings.ema_steps)
                 break
             result = self._step(segments, first=p == 0, last=p == passes - 1)
@@ -267,7 +270,7 @@ class Trainer:
                               int(lag.max()), None if w is None else float(w.mean()))
         n = result.steps
         per_step = dict(policy=loss.policy.item() / n, value=loss.value.item() / n, entropy=loss.entropy.item() / n)
-        with self.step_lock:
+        with self.step_lock, self.gate.writing():
             self.handoff()
             if self.settings.lr_anneal_steps:
                 lr = linear_anneal(self.settings.lr, self.global_steps(), self.settings.lr_anneal_steps)

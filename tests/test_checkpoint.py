@@ -189,10 +189,8 @@ def test_a_save_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
 
 
 def ga3c_mode(tmp_path):
-    """A ``Ga3cRun`` as main builds it, with a trained shared model and Adam, and the run's step lock (``launch``
-    makes it from the spawn context) but no process started."""
+    """A ``Ga3cRun`` as main builds it, with a trained shared model and Adam, and no process started."""
     import logging
-    import multiprocessing as mp
 
     from ga3c.run import Ga3cRun
     args = build_parser().parse_args(["--agents", "1", "--envs-per-agent", "2", "--hidden-size", "32",
@@ -200,13 +198,11 @@ def ga3c_mode(tmp_path):
     assert validate(args) == []
     (tmp_path / "m").mkdir()
     model, opt, _ = trained(args)
-    mode = Ga3cRun(args, model, opt, logging.getLogger("test_checkpoint"))
-    mode.step_lock = mp.get_context("spawn").Lock()
-    return mode
+    return Ga3cRun(args, model, opt, logging.getLogger("test_checkpoint"))
 
 
-class Server:
-    """Stands for the server process in ``Ga3cRun.procs``."""
+class Process:
+    """Stands for a process of the run in ``Ga3cRun.procs``."""
 
     def __init__(self, alive: bool):
         self.alive = alive
@@ -216,66 +212,74 @@ class Server:
 
 
 def test_a_periodic_ga3c_checkpoint_waits_for_the_step_in_progress(tmp_path):
-    """While a trainer holds the step lock (here: a thread that holds it, finishes its "step" 0.3 s later, then
-    releases it), the periodic save waits and writes the weights and statistics of after the step."""
+    """While a trainer is inside a step (here: a thread in the counters' gate that finishes its "step" 0.3 s
+    later), the periodic save waits and writes the weights and statistics of after the step; and a step that
+    would start while the save copies waits for it (the save's hold)."""
     import threading
     import time
     mode = ga3c_mode(tmp_path)
-    mode.procs = [("ga3c server", Server(alive=True))]
+    mode.procs = [("ga3c server", Process(alive=True))]
     weight = mode.shared_model.critic_linear.bias
     stat = mode.optimizer.state[weight]["exp_avg"]
-    mode.step_lock.acquire()
+    gate, inside = mode.counters.gate, threading.Event()
 
-    def finish_step():
-        time.sleep(0.3)
-        with torch.no_grad():
-            weight.fill_(7.0)
-            stat.fill_(3.0)
-        mode.step_lock.release()
+    def step():
+        with gate.writing():
+            inside.set()
+            time.sleep(0.3)
+            with torch.no_grad():
+                weight.fill_(7.0)
+                stat.fill_(3.0)
 
-    threading.Thread(target=finish_step).start()
+    trainer = threading.Thread(target=step)
+    trainer.start()
+    inside.wait()
     path = mode.save(1.0)
+    trainer.join()
     ckpt = read_weights(path)
     assert float(ckpt["model"]["critic_linear.bias"][0]) == 7.0
     index = [p is weight for p in mode.shared_model.parameters()].index(True)
     assert float(ckpt["optimizer"]["state"][index]["exp_avg"][0]) == 3.0
-    assert mode.step_lock.acquire(timeout=0)  # released by the save
+    assert not gate.in_step() and int(gate.state[1:].max()) == 0  # the save's hold released
 
 
-def test_a_periodic_ga3c_checkpoint_is_skipped_where_the_server_died_inside_a_step(tmp_path, caplog):
-    """A server killed inside an optimizer step never releases the step lock: the periodic save checks that it
-    is alive while it waits, then skips (one line), leaving the last checkpoint byte for byte. The final save
-    takes no lock (every process has stopped)."""
+def test_a_ga3c_checkpoint_is_not_written_where_the_server_died_inside_a_step(tmp_path, caplog):
+    """A server killed inside an optimizer step leaves the gate in the step for good: the periodic save waits
+    only while every process of the run is alive, then skips (one line); the final save writes nothing either
+    (the shared weights hold that step half applied), so the last complete checkpoint stays byte for byte."""
     import logging
     mode = ga3c_mode(tmp_path)
-    mode.procs = [("ga3c server", Server(alive=True))]
+    mode.procs = [("ga3c server", Process(alive=True)), ("monitor", Process(alive=True))]
     path = mode.save(1.0)
     before = path.read_bytes()
-    mode.procs = [("ga3c server", Server(alive=False))]
-    mode.step_lock.acquire()
+    mode.procs[0] = ("ga3c server", Process(alive=False))
+    mode.counters.gate.state[0] += 1  # a step begun and never ended
     with caplog.at_level(logging.INFO, logger="test_checkpoint"):
         assert mode.save(2.0) == path
+        assert mode.save(3.0, final=True) == path
     assert path.read_bytes() == before
+    assert not model_path(tmp_path / "m", "PongNoFrameskip-v4").exists()  # no final .dat of those weights either
     assert [r.getMessage() for r in caplog.records] == [
-        "checkpoint skipped: the weights could not be copied between two optimizer steps (the process stepping "
-        "them has ended); the last complete checkpoint stays"]
-    mode.save(3.0, final=True)
-    assert read_weights(path)["elapsed_seconds"] == 3.0
-    assert read_weights(model_path(tmp_path / "m", "PongNoFrameskip-v4"))  # the .dat, written at the end
+        "checkpoint skipped: no moment between two optimizer steps within 10 s (or a process of the run ended "
+        "meanwhile); the last complete checkpoint stays",
+        "the final checkpoint is not written: the ga3c server ended inside an optimizer step, so the shared weights "
+        "hold that step half applied; the last complete checkpoint stays"]
+    mode.counters.gate.state[0] += 1  # a server that ended between steps: the final save writes
+    mode.save(4.0, final=True)
+    assert read_weights(path)["elapsed_seconds"] == 4.0 and read_weights(model_path(tmp_path / "m",
+                                                                                    "PongNoFrameskip-v4"))
 
 
-def test_a_ga3c_run_hands_its_step_lock_to_the_server_and_the_monitor(tmp_path, monkeypatch):
-    """``Ga3cRun.launch`` makes the step lock that ``between_steps`` takes and gives the same one to the server
-    (its trainers step under it) and to the monitor (it copies each game's weights under it)."""
+def test_a_ga3c_run_hands_its_step_gate_to_the_server_and_the_monitor(tmp_path, monkeypatch):
+    """``Ga3cRun.launch`` gives the server the counters whose gate its trainers mark each step in, and the
+    monitor that same gate, which ``consistent`` reads too."""
     import multiprocessing as mp
 
     import lifeline
     mode = ga3c_mode(tmp_path)
-    mode.step_lock = None
     (tmp_path / "l").mkdir()
     started = {}
     monkeypatch.setattr(lifeline, "mark_children", lambda: None)
     monkeypatch.setattr(mode, "_start", lambda role, target, target_args: started.setdefault(role, target_args))
     mode.launch(mp.get_context("spawn"))
-    assert mode.step_lock is not None
-    assert started["ga3c server"][-1] is mode.step_lock and started["monitor"][-1] is mode.step_lock
+    assert started["ga3c server"][5] is mode.counters and started["monitor"][-1] is mode.counters.gate

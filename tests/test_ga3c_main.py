@@ -207,6 +207,29 @@ def test_a_periodic_checkpoint_is_of_one_moment_between_two_optimizer_steps(laun
     assert not torn, f"checkpoints between an optimizer step and its version: {torn} of {seen}"
 
 
+def test_a_server_killed_inside_an_optimizer_step_leaves_the_last_complete_checkpoint(launch, tmp_path):  # noqa: F811
+    """The server's first optimizer step pauses 30 s after it has changed the weights and statistics (a fault hook),
+    and the server is killed -9 there: the shared weights hold that step half applied, so the final checkpoint
+    is not written over the last complete one (before, it was: Adam's step counts one ahead of its
+    ``ga3c_updates``). Whatever checkpoint is on disk is of a moment between two steps."""
+    from test_faults import HOOKS
+    fired = tmp_path / "fired"
+    run = launch(ga3c_fault_args(tmp_path, "--agents", "1", "--trainers", "1"), env={
+        "PYTHONPATH": str(HOOKS), "A3G_FAULT": "slow_step", "A3G_FAULT_ROLE": "a3g ga3c server",
+        "A3G_FAULT_SLEEP": "30", "A3G_FAULT_FIRED": str(fired)})
+    server = run.role("ga3c server")
+    run.poll_until(fired.exists, START_SECONDS, "the server's first optimizer step")
+    t = time.monotonic()
+    server.kill()
+    check_end(run, t, {1})
+    assert ("the final checkpoint is not written: the ga3c server ended inside an optimizer step"
+            in run.stdout()), run.tail()
+    saved = load_saved(models_dir(tmp_path), may_be_empty=True)
+    if f"{ENV_ID}.ckpt" in saved:
+        ckpt = saved[f"{ENV_ID}.ckpt"]
+        assert {float(s["step"]) for s in ckpt["optimizer"]["state"].values()} == {float(ckpt["ga3c_updates"])}
+
+
 def test_a_failing_trainer_thread_is_reported_and_ends_the_run(launch, tmp_path):  # noqa: F811
     fired = tmp_path / "fired"
     run = launch(ga3c_fault_args(tmp_path, "--trainers", "1", "--agents", "1"), env={

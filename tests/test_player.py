@@ -355,32 +355,37 @@ def test_a_worker_records_per_step_losses_for_the_status_line(tmp_path, monkeypa
 
 
 def test_the_monitors_copy_waits_for_the_step_in_progress_and_gives_up_when_the_run_stops():
-    """``sync_between_steps``: under a lock that a "trainer" holds through its step, the copy is of after the
-    step; where the lock is never released (a server killed inside a step), it returns False once the run
-    stops, without copying; without a lock (A3G mode) it copies at once."""
+    """``sync_between_steps``: while a trainer is inside a step (a thread in the gate), the copy is of after the
+    step; where the step never ends (a server killed inside it), it returns False once the run stops, without
+    copying; without a gate (A3G mode) it copies at once."""
     import threading
     import time
 
+    from ga3c.gate import StepGate
     from player_util import sync_between_steps
     shared, local = A3Clstm(1, 6, 32), A3Clstm(1, 6, 32)
-    lock = mp.get_context("spawn").Lock()
-    lock.acquire()
+    gate, inside = StepGate(), threading.Event()
 
-    def finish_step():
-        time.sleep(0.3)
-        with torch.no_grad():
-            shared.critic_linear.bias.fill_(5.0)
-        lock.release()
+    def step():
+        with gate.writing():
+            inside.set()
+            time.sleep(0.3)
+            with torch.no_grad():
+                shared.critic_linear.bias.fill_(5.0)
 
-    threading.Thread(target=finish_step).start()
+    trainer = threading.Thread(target=step)
+    trainer.start()
+    inside.wait()
     with torch.no_grad():
-        assert sync_between_steps(local, shared, lock, stopped=lambda: False)
-    assert float(local.critic_linear.bias.detach()[0]) == 5.0 and lock.acquire(timeout=0)  # copied after; released
+        assert sync_between_steps(local, shared, gate, stopped=lambda: False)
+    trainer.join()
+    assert float(local.critic_linear.bias.detach()[0]) == 5.0
     with torch.no_grad():
         shared.critic_linear.bias.fill_(6.0)
+        gate.state[0] += 1  # a step that never ends
         stop = threading.Event()
-        threading.Timer(0.7, stop.set).start()
-        assert not sync_between_steps(local, shared, lock, stopped=stop.is_set)  # the lock is still held
+        threading.Timer(0.5, stop.set).start()
+        assert not sync_between_steps(local, shared, gate, stopped=stop.is_set)
         assert float(local.critic_linear.bias.detach()[0]) == 5.0
         assert sync_between_steps(local, shared, None, stopped=lambda: True)
     assert float(local.critic_linear.bias.detach()[0]) == 6.0
