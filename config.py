@@ -526,28 +526,36 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 
 def memory_problems(args: argparse.Namespace, memory: int | None = None) -> list[str]:
-    """One line where the run's updates alone would need more memory than this machine has (``memory``, default
-    ``machine_memory()``), so that it is refused at the start instead of killed for memory later: an A3G worker
-    holds a rollout of up to ``--num-steps`` frames (``--distributed-step-size``'s), a GA3C trainer an update of
-    ``--train-batch`` segments of as many frames, and GA3C's queue ``--queue-size`` segments; a rollout or
-    segment ends with its game, so never more than ``--max-episode-length`` frames. Not on Ray, whose nodes'
-    memory is theirs."""
-    if args.ray_address is not None:
+    """One line where the run's rollouts, updates and queue alone would need more memory than this machine has
+    (``memory``, default ``machine_memory()``), so that it is refused at the start instead of killed for memory
+    later: an A3G worker holds a rollout of up to ``--num-steps`` frames (``--distributed-step-size``'s), a GA3C
+    trainer an update of ``--train-batch`` segments of as many frames, at ``UPDATE_BYTES_PER_FRAME`` (fp32's, the
+    larger), and GA3C's queue ``--queue-size`` segments; a rollout or segment ends with its game, so never more
+    than ``--max-episode-length`` frames. Not on Ray, whose nodes' memory is theirs, nor on a GPU, whose memory
+    holds the updates (not estimated)."""
+    if args.ray_address is not None or (args.gpu_ids and args.gpu_ids[0] >= 0):
         return []
     memory = machine_memory() if memory is None else memory
     if not memory:
         return []
     cap = args.max_episode_length
+    given = getattr(args, "_given", ())
     if args.mode == "ga3c":
         trainers = args.dynamic_max[0] if args.dynamic else args.trainers
         frames = min(args.num_steps, cap)
         per_queued = SEGMENT_BYTES_PER_FRAME + (REPLAY_BYTES_PER_FRAME if args.replay_activations else 0)
-        need = trainers * args.train_batch * frames * UPDATE_BYTES_PER_FRAME + args.queue_size * frames * per_queued
+        updates = trainers * args.train_batch * frames * UPDATE_BYTES_PER_FRAME
+        queue = args.queue_size * frames * per_queued
+        need = updates + queue
         cut = f", cut at --max-episode-length {cap:,}" if args.num_steps > cap else ""
-        what = (f"{trainers} trainer(s) with updates of --train-batch {args.train_batch:,} segments of up to "
-                f"{frames:,} frames (--num-steps {args.num_steps:,}{cut}) and a --queue-size of {args.queue_size:,} "
-                f"segments")
-        fix = "use a smaller --num-steps (default 20), --train-batch or --queue-size"
+        count = f"--dynamic-max {trainers:,}" if args.dynamic else f"--trainers {trainers:,}"
+        batch = (f"--train-batch {args.train_batch:,}" if "train_batch" in given else
+                 f"--train-batch {args.train_batch:,}, from --agents x --envs-per-agent")
+        what = (f"{trainers:,} trainer(s) ({count}) with updates of {args.train_batch:,} segments ({batch}) of up to "
+                f"{frames:,} frames (--num-steps {args.num_steps:,}{cut}), {updates / 2**30:,.1f} GiB at 2.2 MiB a "
+                f"frame, and a queue of {args.queue_size:,} segment(s) (--queue-size), {queue / 2**30:,.1f} GiB,")
+        fix = ("use a smaller --num-steps (default 20), --train-batch or --queue-size, or fewer trainers "
+               f"({'--dynamic-max' if args.dynamic else '--trainers'})")
     else:
         steps = args.distributed_step_size or [args.num_steps]
         lengths = [min(rollout_length(args, r), cap) for r in range(args.workers)]
@@ -555,12 +563,14 @@ def memory_problems(args: argparse.Namespace, memory: int | None = None) -> list
         flag = ("--distributed-step-size " + " ".join(map(str, args.distributed_step_size))
                 if args.distributed_step_size else f"--num-steps {args.num_steps:,}")
         cut = f", cut at --max-episode-length {cap:,}" if max(steps) > cap else ""
-        what = f"{args.workers} worker(s) with rollouts of up to {max(lengths):,} frames ({flag}{cut})"
-        fix = "use a smaller --num-steps (default 20)" + (" or fewer --workers" if args.workers > 1 else "")
+        what = (f"{args.workers:,} worker(s) with rollouts of up to {max(lengths):,} frames ({flag}{cut}), at 2.2 MiB "
+                f"a frame of an update,")
+        fix = (("use smaller --distributed-step-size values" if args.distributed_step_size else
+                "use a smaller --num-steps (default 20)") + (" or fewer --workers" if args.workers > 1 else ""))
     if need <= memory:
         return []
-    return [f"{what} would hold about {need / 2**30:,.1f} GiB (2.2 MiB a frame of an update), more than the "
-            f"{memory / 2**30:.1f} GiB this machine has: {fix}"]
+    return [f"{what} would hold about {need / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB this machine "
+            f"has: {fix}"]
 
 
 def frame_flag_problems(args: argparse.Namespace) -> list[str]:
