@@ -144,6 +144,7 @@ class HogwildNode:
         self.last_sync = time.time()
         self.sync_error = ""  # the last failed sync's error, one line (kept until a sync succeeds)
         self._failing_since: float | None = None  # monotonic time of the first failure since the last success
+        self.failed_in_a_row = 0  # failed syncs since the last successful one
         self._sync_ended = ""  # why the sync thread ended other than by stop(), one line
         self.procs = launch(mp.get_context("spawn"), self.args, self.model, self.optimizer, self.run, monitor=False)
         self._worker_pids = [p.pid for _, p in self.procs]  # readable after shutdown() closed the processes
@@ -186,11 +187,12 @@ class HogwildNode:
                 self.uplink.sync(self.live, self.run.global_steps.value, self._stats(), self._payload(final))
             except Exception as e:  # the server is busy, restarting or unreachable: try again next time
                 self.failed_syncs += 1
+                self.failed_in_a_row += 1
                 self.sync_error = one_line(e)
                 if self._failing_since is None:
                     self._failing_since = time.monotonic()
                 return False
-            self.sync_error, self._failing_since = "", None
+            self.sync_error, self._failing_since, self.failed_in_a_row = "", None, 0
             self.syncs += 1
             self.sync_seconds += time.perf_counter() - t0
             self.last_sync = time.time()
@@ -200,18 +202,20 @@ class HogwildNode:
     def health(self) -> dict:
         """Its processes, and any that ended (a worker never ends on its own here: the node has no budget); its
         syncs: ``failing_for`` the seconds since the first of the failed syncs that followed the last successful
-        one (None while the last one succeeded), ``sync_error`` the last failure, ``sync_ended`` why the sync
-        thread ended before ``stop`` ("" while it runs)."""
-        since = self._failing_since
+        one (None while the last one succeeded), ``failed_in_a_row`` how many, ``sync_error`` the last failure,
+        ``sync_ended`` why the sync thread ended before ``stop`` ("" while it runs)."""
+        since, ended = self._failing_since, self._sync_ended
+        thread_ended = not (self._halt.is_set() or self._thread.is_alive())
         return {"pid": os.getpid(), "host": os.uname().nodename, "joins": self.joins,
                 "workers": list(self._worker_pids),
                 "dead": [] if self._halt.is_set() else [(role, p.exitcode) for role, p in self.procs
                                                         if not p.is_alive()],
                 "errors": self.run.errors.read_all(), "syncs": self.syncs, "failed_syncs": self.failed_syncs,
                 "sync_seconds": self.sync_seconds, "steps": self.run.global_steps.value,
-                "failing_for": None if since is None else time.monotonic() - since, "sync_error": self.sync_error,
-                "sync_ended": self._sync_ended or ("" if self._halt.is_set() or self._thread.is_alive() else
-                                                   "it ended without an error")}
+                "failing_for": None if since is None else time.monotonic() - since,
+                "failed_in_a_row": self.failed_in_a_row, "sync_error": self.sync_error,
+                # the thread records its error before it ends: read again once it has ended
+                "sync_ended": ended or (self._sync_ended or "it ended without an error" if thread_ended else "")}
 
     def stop(self) -> dict:
         """Stop the workers (``a3g.run.shutdown``), then make a last sync so that their last updates count."""

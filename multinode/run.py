@@ -46,6 +46,7 @@ SAVE_SECONDS = 60.0  # the parameter server writes a checkpoint (39 MB) within t
 NODE_START_SECONDS = 600.0  # a node (or the parameter server) that has not answered this long fails the run
 SHUTDOWN_SECONDS = 8.0  # Ray's own shutdown, before a local cluster's processes are killed
 STOP_SECONDS = 10.0  # nodes get this long (together) to stop their workers and make their last sync
+SYNC_TRIES_IN_A_ROW = 3  # a node whose syncs failed this often in a row while the server answers (and long) fails
 SERVER_LATE_SECONDS = 10.0  # a status call unanswered this long: the parameter server is down or restarting
 START_GRACE_SECONDS = 10.0  # after a stop signal, how long a Ray call of the start-up may keep the driver waiting
 
@@ -356,6 +357,7 @@ class RayRun(Mode):
         self._status_prev: dict | None = None
         self._ps_down_since: float | None = None
         self._joins = [0] * args.nodes  # each node's joins as the parameter server counts them
+        self._sync_fail_base = [0] * args.nodes  # each node's failed syncs in a row while the server did not answer
         self._starts = [0] * args.nodes  # each node's starts in this run, counted here (a restarted server's count
         # of joins begins again at 0)
         self._polls: dict = {}
@@ -542,13 +544,20 @@ class RayRun(Mode):
         if h.get("sync_ended") and self.failed is None:
             self.failed = (f"node {i}: its sync thread ended ({h['sync_ended']}); the node would train on without "
                            f"the others")
-        failing = h.get("failing_for")
-        # while the server answers the driver: a server that is down makes every node's syncs fail, and has its own
-        # limit (tick)
-        if failing is not None and failing > NODE_START_SECONDS and self._ps_down_since is None \
+        # A node's failed syncs count only while the parameter server answers the driver: one that is down (or has
+        # not answered yet) makes every node's syncs fail, and has its own limits (tick). So the node's count of
+        # failures in a row is noted while the server does not answer, and the run fails once the node has failed
+        # SYNC_TRIES_IN_A_ROW more times since and for NODE_START_SECONDS in all (with a long --sync-seconds, the
+        # tries take longer than that).
+        if self._ps_down_since is not None or self._ps_status is None:
+            self._sync_fail_base[i] = h.get("failed_in_a_row", 0)
+        elif h.get("failed_in_a_row", 0) < self._sync_fail_base[i]:  # it synced since: count afresh
+            self._sync_fail_base[i] = 0
+        failing, tries = h.get("failing_for"), h.get("failed_in_a_row", 0) - self._sync_fail_base[i]
+        if failing is not None and failing > NODE_START_SECONDS and tries >= SYNC_TRIES_IN_A_ROW \
                 and self.failed is None:
-            self.failed = (f"node {i} has not synced with the parameter server for {failing:.0f} s while the server "
-                           f"answers the driver (last error: {h['sync_error']})")
+            self.failed = (f"node {i} has not synced with the parameter server for {failing:.0f} s ({tries} tries in "
+                           f"a row while the server answers the driver; last error: {h['sync_error']})")
 
     def status(self, rate: float, span: float) -> tuple[str, dict]:
         line = f"steps {self.run.global_steps.value:,} ({rate:.0f} steps/s)"

@@ -273,14 +273,19 @@ def test_a_node_reports_how_long_its_syncs_have_failed_and_the_last_error(idle_n
     monkeypatch.setattr(server, "call", broken)
     node.uplink._call = broken
     train(change_of(start, 0.25), 10)
-    assert not node.sync() and not node.sync()
+    t = time.monotonic()
+    assert not node.sync()
+    time.sleep(0.3)
+    assert not node.sync()
     h = node.health()
-    assert h["failed_syncs"] == 2 and h["sync_error"] == "ValueError: ValueError: the change has another shape"
-    assert 0 <= h["failing_for"] < 60 and h["sync_ended"] == ""
+    assert h["failed_syncs"] == h["failed_in_a_row"] == 2
+    assert h["sync_error"] == "ValueError: ValueError: the change has another shape" and h["sync_ended"] == ""
+    assert 0.3 <= h["failing_for"] <= time.monotonic() - t  # since the first failure of the two, not the last
     node.uplink._call = real
     assert node.sync()
     h = node.health()
-    assert h["failing_for"] is None and h["sync_error"] == "" and server.ps.global_steps == 10
+    assert h["failing_for"] is None and h["failed_in_a_row"] == 0 and h["sync_error"] == ""
+    assert server.ps.global_steps == 10
 
 
 def test_a_nodes_sync_thread_that_ends_is_reported(tmp_path, monkeypatch):
@@ -310,36 +315,48 @@ def test_a_nodes_sync_thread_that_ends_is_reported(tmp_path, monkeypatch):
 
 
 def test_the_driver_ends_the_run_for_a_node_that_cannot_sync_while_the_server_answers():
-    """A node whose syncs have failed for ``NODE_START_SECONDS`` while the parameter server answers the driver
-    fails the run, naming the last error; not while the server is down (every node's syncs fail then, and the
-    server's silence has its own limit); a sync thread that ended fails it at once."""
+    """A node whose syncs have failed for ``NODE_START_SECONDS`` and ``SYNC_TRIES_IN_A_ROW`` times in a row while the
+    parameter server answers the driver fails the run, naming the last error. Not for failures while the server
+    does not answer (down, or not answered yet: every node's syncs fail then, and the server has its own limits),
+    nor for a single failed try with a long --sync-seconds. A sync thread that ended fails it at once."""
     from config import build_parser
     from multinode.run import NODE_START_SECONDS, RayRun
     args = build_parser().parse_args(["--ray-address", "local", "--nodes", "2", "--workers", "1"])
+    long = NODE_START_SECONDS + 1
 
     class Log:
         def info(self, line):
             pass
 
-    def health(failing_for=None, ended=""):
+    def health(failing_for=None, tries=0, ended=""):
         return {"pid": 7, "host": "h", "workers": [8], "dead": [], "errors": [], "failing_for": failing_for,
-                "sync_error": "ValueError: bad shape" if failing_for is not None else "", "sync_ended": ended}
+                "failed_in_a_row": tries, "sync_error": "ValueError: bad shape" if tries else "", "sync_ended": ended}
 
-    def driver():  # as launch() leaves it, every node up
+    def driver():  # as launch() leaves it, every node up and the server answering
         run = RayRun(args, torch.nn.Linear(1, 1), None, Log(), ray_module=object())
-        run._node_down_since, run._node_error = [None, None], ["", ""]
+        run._node_down_since, run._node_error, run._ps_status = [None, None], ["", ""], {"nodes": []}
         return run
 
     run = driver()
-    run._node_answered(0, health(failing_for=NODE_START_SECONDS - 1), 0.0)
+    run._node_answered(0, health(NODE_START_SECONDS - 1, tries=50), 0.0)  # not long enough yet
+    run._node_answered(1, health(long, tries=1), 0.0)  # one try of a long --sync-seconds
     assert run.failed is None
-    run._ps_down_since = 1.0  # the server is down: the node's failures are its
-    run._node_answered(0, health(failing_for=NODE_START_SECONDS + 1), 2.0)
+    run._ps_down_since = 1.0  # the server is down: the failures so far are its
+    run._node_answered(0, health(long, tries=60), 2.0)
     assert run.failed is None
-    run._ps_down_since = None
-    run._node_answered(1, health(failing_for=NODE_START_SECONDS + 1), 3.0)
-    assert run.failed == ("node 1 has not synced with the parameter server for 601 s while the server answers the "
-                          "driver (last error: ValueError: bad shape)")
+    run._ps_down_since = None  # it is back: two more failures are not yet three
+    run._node_answered(0, health(long + 10, tries=62), 3.0)
+    assert run.failed is None
+    run._node_answered(0, health(long + 20, tries=63), 4.0)
+    assert run.failed == ("node 0 has not synced with the parameter server for 621 s (3 tries in a row while the "
+                          "server answers the driver; last error: ValueError: bad shape)")
+    run = driver()
+    run._ps_status = None  # the server has not answered yet
+    run._node_answered(1, health(long, tries=5), 0.0)
+    assert run.failed is None
+    run = driver()
+    run._node_answered(1, health(long, tries=3), 0.0)
+    assert run.failed.startswith("node 1 has not synced with the parameter server for 601 s (3 tries in a row")
     run = driver()
     run._node_answered(0, health(ended="MemoryError"), 0.0)
     assert run.failed == "node 0: its sync thread ended (MemoryError); the node would train on without the others"
