@@ -24,7 +24,11 @@ A_i)``, ``r_i = pi(a_i)/mu(a_i)`` with gradient (``pass_clip`` = eps): a step wh
 ``1 +- eps`` in the direction its advantage pushes gives no gradient of its own, so the later passes do not push
 that step's probability further (the other steps' gradients, through the shared weights, and the optimizer's
 momentum still move it). Where ``r = 1`` its gradient is the plain term's. ``mu`` is floored at ``MU_FLOOR``.
-Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
+For a negative advantage the term is also bounded below by ``DUAL_CLIP A`` (dual-clip PPO, Ye et al. 2020): PPO's
+``min`` alone keeps ``r A`` there however large ``r`` is, and a step whose acting probability was tiny (a rare
+action, weights several updates older) then gave a gradient that grew with ``r``, up to ``1 / MU_FLOOR``: one such
+update overflowed Adam's statistics in a Pong run (``docs/results.md``). Past ``r = DUAL_CLIP`` such a step gives no
+gradient of its own. Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from losses import A3CLoss, a3c_loss, discounted_returns, entropy, gae_advantage
 
 
 MU_FLOOR = 1e-8  # the least behaviour probability the clipped surrogate divides by
+DUAL_CLIP = 3.0  # the clipped surrogate of a negative advantage A is at least DUAL_CLIP * A (dual-clip PPO)
 
 
 def flat_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +97,15 @@ def importance_weights(log_probs_taken: torch.Tensor, mu: torch.Tensor, is_clip:
 
 def clipped_surrogate_loss(log_probs_taken: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped policy loss ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps) A_i)`` with
-    ``r_i = exp(log pi(a_i) - log mu(a_i))`` (gradient through ``log_probs_taken`` only; advantages and ``mu`` are
-    constants), and the ratios ``r`` detached. ``(S,) -> ((), (S,))``. ``mu`` is floored at ``MU_FLOOR``: a
-    behaviour probability that underflowed to 0 gives a large finite ratio, not inf and a NaN gradient."""
+    """PPO's clipped policy loss ``-sum_i min(r_i A_i, clip(r_i, 1 - eps, 1 + eps) A_i)``, each term of a negative
+    advantage at least ``DUAL_CLIP A_i``, with ``r_i = exp(log pi(a_i) - log mu(a_i))`` (gradient through
+    ``log_probs_taken`` only; advantages and ``mu`` are constants), and the ratios ``r`` detached.
+    ``(S,) -> ((), (S,))``. ``mu`` is floored at ``MU_FLOOR``: a behaviour probability that underflowed to 0
+    gives a large finite ratio, not inf and a NaN gradient."""
     ratio = torch.exp(log_probs_taken - torch.log(mu.to(log_probs_taken.dtype).clamp(min=MU_FLOOR)))
     adv = advantages.detach()
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps, 1.0 + eps) * adv)
+    surrogate = torch.where(adv < 0, torch.maximum(surrogate, DUAL_CLIP * adv), surrogate)
     return -surrogate.sum(), ratio.detach()
 
 
@@ -114,7 +121,8 @@ def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tens
     """One segment's loss, the reference the batched loss is tested against.
 
     ``is_clip=None``, not ``greedy`` and ``pass_clip=None``: exactly ``losses.a3c_loss``. With ``pass_clip`` the
-    policy term is ``clipped_surrogate_loss`` against ``mu`` (``is_clip`` and ``greedy`` are not combined with it).
+    policy term is ``clipped_surrogate_loss``'s (dual clip included) against ``mu`` (``is_clip`` and ``greedy`` are
+    not combined with it).
     Otherwise the same terms with the policy-gradient term of step i weighted by ``importance_weights``:
     ``-sum_i w_i log pi(a_i) A_i``, clipped at ``is_clip``, or at ``greedy_clip(is_clip)`` for a greedy slot's
     segment.
@@ -133,7 +141,9 @@ def segment_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tens
     ratio = torch.exp(taken - torch.log(mu.to(values.device, values.dtype).clamp(min=MU_FLOOR)))  # pi(a) / mu(a)
     if pass_clip is not None:
         unclipped, clipped = ratio * adv, ratio.clamp(1.0 - pass_clip, 1.0 + pass_clip) * adv
-        p_loss = -torch.where(unclipped < clipped, unclipped, clipped).sum()
+        term = torch.where(unclipped < clipped, unclipped, clipped)
+        floor = DUAL_CLIP * adv  # a negative advantage's term is never below it
+        p_loss = -torch.where((adv < 0) & (term < floor), floor, term).sum()
     else:
         w = torch.clamp(ratio.detach(), max=greedy_clip(is_clip) if greedy else is_clip)
         p_loss = -(taken * (adv * w)).sum()

@@ -115,11 +115,32 @@ def test_clipped_surrogate_hand_computed():
     assert torch.allclose(ratio, t(2, 0.5, 1, 1, 0.5, 2)) and not ratio.requires_grad
     loss.backward()
     assert torch.allclose(log_pi.grad, t(0, -0.5, 2, -3, 0, 2), atol=1e-6)
-    # a behaviour probability that underflowed to 0: a finite ratio (pi / MU_FLOOR) and gradient, not inf and NaN
+    # a behaviour probability that underflowed to 0: a finite ratio (pi / MU_FLOOR), not inf and NaN; its negative
+    # advantage's term is the dual clip's 3 A = -3, with no gradient (before, -5e7 and a gradient of 5e7)
     log_pi = torch.log(t(0.5, 0.5)).requires_grad_()
     loss, ratio = clipped_surrogate_loss(log_pi, t(0.0, 0.5), t(-1, 1), 0.2)
     loss.backward()
-    assert torch.isfinite(loss) and bool(torch.isfinite(log_pi.grad).all()) and ratio[0].item() == pytest.approx(5e7)
+    assert ratio[0].item() == pytest.approx(5e7) and loss.item() == pytest.approx(3.0 - 1.0)
+    assert torch.allclose(log_pi.grad, t(0, -1), atol=1e-6)
+    # the dual clip, three steps of A = -1: r = 2 kept (-2, gradient 2), r = 3 at the bound (-3), r = 4 bounded
+    # (-3, no gradient); a positive advantage is not bounded by it (r = 4, A = 1: PPO's 1.2)
+    log_pi = torch.log(t(0.4, 0.6, 0.8, 0.8)).requires_grad_()
+    loss, ratio = clipped_surrogate_loss(log_pi, t(0.2, 0.2, 0.2, 0.2), t(-1, -1, -1, 1), 0.2)
+    assert torch.allclose(ratio, t(2, 3, 4, 4)) and loss.item() == pytest.approx(2 + 3 + 3 - 1.2, abs=1e-5)
+    loss.backward()
+    assert log_pi.grad[0].item() == pytest.approx(2.0) and log_pi.grad[2].item() == 0 and log_pi.grad[3].item() == 0
+    # the reference (segment_loss) bounds the same terms: step by step against the formula, with ratios past 3
+    logits, values = torch.randn(6, A, generator=torch.Generator().manual_seed(9)), t(0.5, 0.4, -0.3, 0.2, 0.9, 0.1)
+    actions, rewards = torch.tensor([0, 1, 2, 3, 4, 5]), t(0, -1, 0, 1, -1, 0)
+    pi = torch.softmax(logits, 1).gather(1, actions.view(-1, 1)).squeeze(1)
+    mu = pi * t(0.1, 0.2, 1.0, 0.5, 0.1, 3.0)  # ratios 10, 5, 1, 2, 10, 1/3
+    adv = gae_advantages(rewards, values, 0.5, KW["gamma"], KW["tau"])
+    want = 0.0
+    for r, a in zip((pi / mu).tolist(), adv.tolist()):
+        term = min(r * a, min(max(r, 0.8), 1.2) * a)
+        want -= max(term, 3.0 * a) if a < 0 else term
+    got = segment_loss(logits, values, actions, rewards, 0.5, mu=mu, pass_clip=0.2, **KW)
+    assert bool(((pi / mu > 3) & (adv < 0)).any()) and got.policy.item() == pytest.approx(want, rel=1e-5)
     # mu = pi: every ratio 1, so the policy term is -sum A (not -sum log pi A) but its gradient is the plain term's
     # (the first pass of a batch with no policy lag); the value and entropy terms are the plain ones
     logits, values = torch.randn(4, A, generator=torch.Generator().manual_seed(5)), t(0.1, -0.2, 0.3, 0.0)
