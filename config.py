@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status-every-seconds", type=float, default=60,
                    help="log a status line (steps/s, smoothed losses) this often (default: %(default)s)")
     p.add_argument("--checkpoint-every-seconds", type=float, default=120,
-                   help="write the full checkpoint this often (and always at the end) (default: %(default)s)")
+                   help="write the full checkpoint this often, and at the end (default: %(default)s)")
     add_ga3c_flags(p)
     add_ray_flags(p)
     return p

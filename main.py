@@ -753,7 +753,10 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         try:
             if procs:
                 ckpt = mode.save(elapsed_offset + elapsed, final=True)
-                ckpt_note = f"checkpoint {ckpt}"
+                last = checkpoint_path(args.save_model_dir, args.env)
+                ckpt_note = (f"checkpoint {ckpt}" if ckpt is not None else
+                             f"the final checkpoint is not written; the last complete one is {last}" if last.exists()
+                             else "no checkpoint written")
         except CheckpointWriteError as e:
             code = 1
             if str(e) != reason:

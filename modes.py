@@ -143,16 +143,17 @@ class Mode(Protocol):
         steps to wait for."""
         return copy()
 
-    def save(self, elapsed: float, final: bool = False) -> Path:
+    def save(self, elapsed: float, final: bool = False) -> Path | None:
         """Write the checkpoint (``checkpoint_contents`` with ``snapshot()``, copied through ``consistent``) and,
         when ``final`` and not ``--save-max``, the ``.dat`` of the same moment, from this process; returns the
-        checkpoint's path (where ``consistent`` found no moment, the last complete checkpoint's, left as it was).
-        Raises ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node run's instead."""
+        checkpoint's path, or None where ``consistent`` found no moment (nothing written: the last complete
+        checkpoint stays). Raises ``CheckpointWriteError`` (one line). Ray's parameter server writes a multi-node
+        run's instead."""
         path = checkpoint_path(self.args.save_model_dir, self.args.env)
         ckpt = self.consistent(lambda: checkpoint_contents(self.args, self.shared_model, self.optimizer, self.run,
                                                            elapsed, self.snapshot(), self.average_model), final)
         if ckpt is None:
-            return path
+            return None
         write_checkpoint(self.args, ckpt)
         if final and not self.args.save_max:
             # the played weights, of the same moment, were checked finite by write_checkpoint

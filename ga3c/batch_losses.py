@@ -105,7 +105,8 @@ def clipped_surrogate_loss(log_probs_taken: torch.Tensor, mu: torch.Tensor, adva
     ratio = torch.exp(log_probs_taken - torch.log(mu.to(log_probs_taken.dtype).clamp(min=MU_FLOOR)))
     adv = advantages.detach()
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps, 1.0 + eps) * adv)
-    surrogate = torch.where(adv < 0, torch.maximum(surrogate, DUAL_CLIP * adv), surrogate)
+    floor = DUAL_CLIP * adv
+    surrogate = torch.where((adv < 0) & (surrogate < floor), floor, surrogate)  # at r = 3 exactly: r A's gradient
     return -surrogate.sum(), ratio.detach()
 
 

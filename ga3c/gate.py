@@ -12,12 +12,15 @@ Shared state). ``StepGate`` instead, one shared ``int64`` tensor ``[seq, hold_0,
   even again, with a release fence each time.
 - A reader (``read``) waits for an even ``seq``, copies, and keeps the copy only if ``seq`` has not moved since
   (acquire fences); else it tries again.
-- A reader first sets its ``hold`` slot to a deadline (``HOLD_SECONDS`` ahead, on the machine's monotonic clock,
-  which every process shares): a trainer about to start a step waits while a hold has not expired, so that a copy
-  longer than the gaps between steps still finds one. A reader that dies leaves a hold that expires by itself.
-  A trainer already past that check finishes its step; the reader waits for it.
-- A server killed inside a step leaves ``seq`` odd for good: ``in_step()`` says so, readers give up (``read``
-  returns ``None``) and the final checkpoint is not written over the last complete one.
+- A reader first sets its ``hold`` slot to a deadline on the machine's monotonic clock, which every process
+  shares: at least ``HOLD_SECONDS`` ahead, and twice its last copy's time where that was longer. A trainer about
+  to start a step waits (``wait_for_holds``, before it takes the server's step lock, so that the predictors are
+  not held up) while a hold has not expired, so that a copy longer than the gaps between steps still finds one. A
+  reader that dies leaves a hold that expires by itself. A trainer already past that wait finishes its step; the
+  reader waits for it, or copies again.
+- A step that raises leaves ``seq`` odd, as one that a kill interrupts: it may have changed part of what it
+  changes. A server that ended inside a step is then seen (``in_step()``): readers give up (``read`` returns
+  ``None``) and the final checkpoint is not written over the last complete one.
 """
 from __future__ import annotations
 
@@ -39,22 +42,23 @@ class StepGate:
         self.state = torch.zeros(1 + readers, dtype=torch.int64).share_memory_()
 
     # ---- the writer: a trainer, one at a time (under the server's step_lock) ----------------------------------
-    @contextlib.contextmanager
-    def writing(self):
-        """Around one optimizer step (and what moves with it): wait while a reader's hold has not expired, then
-        mark the step as being applied until the block ends (also where it raises: the step is over then)."""
+    def wait_for_holds(self) -> None:
+        """Before a step (and before the step lock): wait while a reader's hold has not expired."""
         while True:
             wait = (int(self.state[1:].max()) - time.monotonic_ns()) / 1e9
             if wait <= 0:
-                break
+                return
             time.sleep(min(wait, 0.002))
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Around one optimizer step (and what moves with it): marks the step as being applied until the block
+        ends; where the block raises, the mark stays (``in_step``)."""
         self.state[0] += 1
         fence(RELEASE)
-        try:
-            yield
-        finally:
-            fence(RELEASE)
-            self.state[0] += 1
+        yield
+        fence(RELEASE)
+        self.state[0] += 1
 
     # ---- the readers ------------------------------------------------------------------------------------------
     def in_step(self) -> bool:
@@ -63,23 +67,27 @@ class StepGate:
 
     def read(self, copy, reader: int, alive=lambda: True, timeout: float | None = 10.0):
         """``copy()`` made between two steps, or None where none was found: ``alive()`` (checked about every
-        0.1 s while waiting) returned False, or ``timeout`` seconds passed (None: no limit)."""
+        0.1 s, between tries) returned False, or ``timeout`` seconds passed (None: no limit; a copy under way when
+        it passes is finished and checked)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         slot = 1 + reader
-        checked = time.monotonic()
+        checked, took = time.monotonic(), 0.0
         try:
             while deadline is None or time.monotonic() < deadline:
-                self.state[slot] = time.monotonic_ns() + int(HOLD_SECONDS * 1e9)
+                hold = max(HOLD_SECONDS, 2 * took)  # a copy longer than the hold would find a step in it each time
+                self.state[slot] = time.monotonic_ns() + int(hold * 1e9)
                 fence(RELEASE)
                 before = int(self.state[0])
                 if before % 2 == 0:
                     fence(ACQUIRE)
+                    t0 = time.monotonic()
                     result = copy()
+                    took = time.monotonic() - t0
                     fence(ACQUIRE)
                     if int(self.state[0]) == before:
                         return result
-                    continue  # a step that had passed the hold ran during the copy: copy again
-                time.sleep(0.001)
+                else:
+                    time.sleep(0.001)
                 if time.monotonic() - checked >= 0.1:
                     checked = time.monotonic()
                     if not alive():
@@ -91,6 +99,10 @@ class StepGate:
 
 class _NoGate:
     """A trainer's gate without counters (tests, benchmarks): no other process copies its weights."""
+
+    @staticmethod
+    def wait_for_holds() -> None:
+        pass
 
     @staticmethod
     def writing():

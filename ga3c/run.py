@@ -109,7 +109,7 @@ class Ga3cRun(Mode):
 
     def consistent(self, copy, final: bool):
         """``copy()`` made between two optimizer steps (``StepGate.read``), waiting up to ``STEP_WAIT_SECONDS``
-        and while every process of the run is alive; None, with a line in the log, where there was no such moment.
+        and while the server is alive; None, with a line in the log, where there was no such moment.
         The final copy does not wait: every process has stopped, a stopped server between two steps; but where the
         server ended inside one (killed), the shared weights hold that step half applied, and nothing is copied,
         so that the last complete checkpoint stays."""
@@ -121,11 +121,12 @@ class Ga3cRun(Mode):
                               "stays")
                 return None
             return copy()
-        result = gate.read(copy, MAIN, alive=lambda: all(p.is_alive() for _, p in self.procs),
+        server = next((p for role, p in self.procs if role == "ga3c server"), None)
+        result = gate.read(copy, MAIN, alive=lambda: server is not None and server.is_alive(),
                            timeout=STEP_WAIT_SECONDS)
         if result is None:
-            self.log.info(f"checkpoint skipped: no moment between two optimizer steps within {STEP_WAIT_SECONDS:g} s "
-                          f"(or a process of the run ended meanwhile); the last complete checkpoint stays")
+            self.log.info(f"checkpoint skipped: no moment between two optimizer steps within {STEP_WAIT_SECONDS:g} s, "
+                          f"or the ga3c server ended inside one; the last complete checkpoint stays")
         return result
 
     def slot_of(self, role: str) -> int:

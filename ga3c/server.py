@@ -297,8 +297,8 @@ def server_process(slot: int, args: Namespace, shared_model: A3Clstm, optimizer,
         ending, server = server, None
         # within main.py's 8 s (a3g.run.JOIN_SECONDS) before it terminates this process
         if not ending.close(5.0, step_timeout=2.0):
-            raise RuntimeError("a trainer was still inside an optimizer step 7 s after the stop: the final checkpoint "
-                               "may hold that step half applied")
+            raise RuntimeError("a predictor or trainer thread still held the step lock 7 s after the stop (were it "
+                               "inside an optimizer step, the final checkpoint is not written over the last one)")
         if ending.failures:
             role, text = ending.failures[0]
             raise RuntimeError(f"the {role} thread failed:\n{text}")

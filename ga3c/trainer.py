@@ -243,6 +243,7 @@ class Trainer:
         for p in range(passes):
             if p > 0 and stop is not None and stop.is_set():
                 if self.average is not None:  # the passes made are applied: the average takes them in once
+                    self.gate.wait_for_holds()
                     with self.step_lock, self.gate.writing():
                         update_average(self.average, self.shared, result.steps, self.settings.ema_steps)
                 break
@@ -270,6 +271,7 @@ class Trainer:
                               int(lag.max()), None if w is None else float(w.mean()))
         n = result.steps
         per_step = dict(policy=loss.policy.item() / n, value=loss.value.item() / n, entropy=loss.entropy.item() / n)
+        self.gate.wait_for_holds()  # a copy of the weights under way in another process ends first
         with self.step_lock, self.gate.writing():
             self.handoff()
             if self.settings.lr_anneal_steps:

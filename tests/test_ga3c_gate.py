@@ -16,6 +16,7 @@ def test_every_copy_is_between_two_steps_while_a_writer_steps_without_pause():
 
     def writer():
         while not stop.is_set():
+            gate.wait_for_holds()
             with gate.writing():
                 a.add_(1.0)
                 time.sleep(0.0005)
@@ -48,6 +49,7 @@ def test_a_readers_hold_delays_the_next_step_until_it_ends_or_expires():
     gate.state[1 + MONITOR] = until
 
     def step():
+        gate.wait_for_holds()
         with gate.writing():
             entered.append(time.monotonic_ns())
 
@@ -60,18 +62,58 @@ def test_a_readers_hold_delays_the_next_step_until_it_ends_or_expires():
     assert 0 < holds[0] <= HOLD_SECONDS * 1e9 and int(gate.state[1 + MAIN]) == 0
 
 
+def test_a_copy_that_a_whole_step_ran_through_is_made_again():
+    """The check after the copy: a step that started and ended while the copy ran (the sequence moved by 2, even
+    both times) makes the reader copy again; the second copy is the one returned."""
+    gate, calls = StepGate(), []
+
+    def copy():
+        calls.append(1)
+        if len(calls) == 1:
+            gate.state[0] += 2  # a whole step during the first copy
+        return len(calls)
+    assert gate.read(copy, MAIN, timeout=2) == 2
+
+
+def test_a_copy_longer_than_the_hold_holds_longer_the_next_time(monkeypatch):
+    """A copy that outlasts its hold finds steps in it (the hold expired, the writer went on); the next try holds
+    twice as long as that copy took, and succeeds. Before, every try failed while steps kept coming."""
+    import ga3c.gate as gate_module
+    monkeypatch.setattr(gate_module, "HOLD_SECONDS", 0.05)
+    gate, stop, tries = StepGate(), threading.Event(), []
+
+    def writer():
+        while not stop.is_set():
+            gate.wait_for_holds()
+            with gate.writing():
+                time.sleep(0.002)
+            time.sleep(0.005)
+
+    def copy():
+        tries.append(1)
+        time.sleep(0.15)
+        return len(tries)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        got = gate.read(copy, MAIN, timeout=5)
+    finally:
+        stop.set()
+        thread.join()
+    assert got is not None and got >= 2, f"{len(tries)} tries, none between two steps"
+
+
 def test_a_step_that_never_ends_leaves_no_moment_to_copy():
-    """A writer that dies inside a step (a killed server) leaves the sequence odd: ``in_step`` says so, and a read
-    gives up when ``alive`` turns False or at its timeout, without calling ``copy``; a step that raises has
-    ended."""
+    """A writer that dies inside a step (a killed server), or whose step raises (it may have changed part of what
+    it changes), leaves the sequence odd: ``in_step`` says so, and a read gives up when ``alive`` turns False or
+    at its timeout, without calling ``copy``."""
     gate = StepGate()
     try:
         with gate.writing():
             raise RuntimeError("a failed step")
     except RuntimeError:
         pass
-    assert not gate.in_step()
-    gate.state[0] += 1
     assert gate.in_step()
     copied = []
     t = time.monotonic()
