@@ -8,27 +8,40 @@ import torch
 from ga3c.gate import HOLD_SECONDS, MAIN, MONITOR, StepGate
 
 
-def test_every_copy_is_between_two_steps_while_a_writer_steps_without_pause():
-    """The writer moves two tensors one after the other inside each step, so a copy in the middle of a step sees
-    them differ; 200 copies taken while it steps back to back must all see them equal."""
-    gate, a, b, stop = StepGate(), torch.zeros(50_000), torch.zeros(50_000), threading.Event()
-    steps = [0]
+def stepping(gate: StepGate, step, pause: float = 0.0):
+    """A started thread that makes steps as a trainer does (``step()`` inside ``writing``, after the holds), each
+    ``pause`` s after the last, until the returned event is set; and the thread, to join."""
+    stop = threading.Event()
 
     def writer():
         while not stop.is_set():
             gate.wait_for_holds()
             with gate.writing():
-                a.add_(1.0)
-                time.sleep(0.0005)
-                b.add_(1.0)
-            steps[0] += 1
+                step()
+            time.sleep(pause)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    return stop, thread
+
+
+def test_every_copy_is_between_two_steps_while_a_writer_steps_without_pause():
+    """The writer moves two tensors one after the other inside each step, so a copy in the middle of a step sees
+    them differ; 200 copies taken while it steps back to back must all see them equal."""
+    gate, a, b = StepGate(), torch.zeros(50_000), torch.zeros(50_000)
+    steps = [0]
+
+    def step():
+        a.add_(1.0)
+        time.sleep(0.0005)
+        b.add_(1.0)
+        steps[0] += 1
 
     def copy_now_and_then(i):
         time.sleep(0.005)  # the writer steps between two reads (their holds cleared)
         return gate.read(lambda: (a.clone(), b.clone()), MAIN if i % 2 else MONITOR)
 
-    thread = threading.Thread(target=writer)
-    thread.start()
+    stop, thread = stepping(gate, step)
     try:
         copies = [copy_now_and_then(i) for i in range(200)]
     finally:
@@ -80,22 +93,14 @@ def test_a_copy_longer_than_the_hold_holds_longer_the_next_time(monkeypatch):
     twice as long as that copy took, and succeeds. Before, every try failed while steps kept coming."""
     import ga3c.gate as gate_module
     monkeypatch.setattr(gate_module, "HOLD_SECONDS", 0.05)
-    gate, stop, tries = StepGate(), threading.Event(), []
-
-    def writer():
-        while not stop.is_set():
-            gate.wait_for_holds()
-            with gate.writing():
-                time.sleep(0.002)
-            time.sleep(0.005)
+    gate, tries = StepGate(), []
 
     def copy():
         tries.append(1)
         time.sleep(0.15)
         return len(tries)
 
-    thread = threading.Thread(target=writer)
-    thread.start()
+    stop, thread = stepping(gate, lambda: time.sleep(0.002), pause=0.005)
     try:
         got = gate.read(copy, MAIN, timeout=5)
     finally:
