@@ -25,10 +25,9 @@ A_i)``, ``r_i = pi(a_i)/mu(a_i)`` with gradient (``pass_clip`` = eps): a step wh
 that step's probability further (the other steps' gradients, through the shared weights, and the optimizer's
 momentum still move it). Where ``r = 1`` its gradient is the plain term's. ``mu`` is floored at ``MU_FLOOR``.
 For a negative advantage the term is also bounded below by ``DUAL_CLIP A`` (dual-clip PPO, Ye et al. 2020): PPO's
-``min`` alone keeps ``r A`` there however large ``r`` is, and a step whose acting probability was tiny (a rare
-action, weights several updates older) then gave a gradient that grew with ``r``, up to ``1 / MU_FLOOR``: one such
-update overflowed Adam's statistics in a Pong run (``docs/results.md``). Past ``r = DUAL_CLIP`` such a step gives no
-gradient of its own. Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
+``min`` alone keeps ``r A`` there however large ``r`` is, so a step whose acting probability was tiny (a rare
+action, weights several updates older) gives a gradient that grows with ``r``, up to ``1 / MU_FLOOR``. Past
+``r = DUAL_CLIP`` such a step gives no gradient of its own. Returns, GAE, value and entropy terms are the plain ones, from each pass's own forward.
 """
 from __future__ import annotations
 
