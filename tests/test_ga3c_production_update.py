@@ -24,7 +24,8 @@ reference's weighted one, far from the unweighted one. With ``--greedy-slots 1``
 with mu = 1, and its segments' policy terms are weighted by pi(a) in the trainer and in the reference alike
 (again far from the unweighted gradient). With ``--train-passes K`` the reference makes K optimizer steps on each
 batch, each on the clipped surrogate's gradient (``segment_loss`` with ``pass_clip``) at the weights the previous
-one left, with ``mu`` scaled as for ``--is-clip`` so that the clip matters (far from the unweighted gradient). This test fails when the fused Adam is handed the working
+one left, with ``mu`` scaled by 0.15 to 2 so that the clip and the dual clip (ratios past 3) matter (far from the
+unweighted gradient). This test fails when the fused Adam is handed the working
 copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr after one step). With ``--ema-steps``
 the moving average the trainer keeps (``main.start_average``'s, as ``Ga3cRun`` hands it to the server) is, after
 every update, the previous one blended toward the new shared weights by ``1 - exp(-steps / N)``. After every
@@ -165,8 +166,14 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
             weighted = off_policy or any(seg.greedy for seg in batch)
             assert all(seg.acts is not None for seg in batch) == settings.replay_activations
             if off_policy:  # behaviour probabilities off the current policy (see the docstring)
+                low = 0.5 if pass_clip is None else 0.15  # the passes: some ratios past the dual clip's 3 too
                 for seg in batch:
-                    seg.mu = (seg.mu * (0.5 + 1.5 * torch.rand(len(seg), generator=g))).clamp(max=1.0)
+                    factors = low + (2.0 - low) * torch.rand(len(seg), generator=g)
+                    if pass_clip is not None:
+                        factors[0] = 0.2  # a ratio of about 5 in every segment
+                    seg.mu = (seg.mu * factors).clamp(max=1.0)
+                if pass_clip is not None:
+                    assert bool((reference_importance_weights(ref_model, batch, math.inf) > 3).any())
                 weights = reference_importance_weights(ref_model, batch, settings.is_clip or math.inf)
                 assert (weights - 1).abs().max() > 0.2, f"update {u}: every importance weight is about 1"
             result = trainer.update(batch)
