@@ -270,10 +270,13 @@ def read_weights(path: str | Path) -> dict:
             AttributeError, TypeError, KeyError, IndexError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = reason.split(". ")[0].rstrip(".")[:160]
+        if isinstance(e, (KeyError, IndexError)) or reason.strip("'").isdigit():  # torch.load's legacy reader
+            reason = "its bytes are neither a zip archive nor a pickle that torch.load reads"
         raise ModelFileError(f"model file {path} is corrupt or not a PyTorch weights file ({reason}): replace it "
                              f"with a good copy, or point to another file")
     if not isinstance(obj, dict):
-        raise ModelFileError(f"model file {path} holds a {type(obj).__name__}, not a state_dict")
+        raise ModelFileError(f"model file {path} holds a {type(obj).__name__}, not a state_dict: point to a .dat or "
+                             f".ckpt that main.py wrote, or an upstream .dat")
     return obj
 
 
@@ -302,16 +305,18 @@ def read_card(model: str | Path) -> tuple[dict | None, str | None]:
         card = json.loads(text)
     except ValueError as e:
         return None, f"is not JSON ({e})"
+    except RecursionError:
+        return None, "is not JSON that can be read (nested too deeply)"
     if not isinstance(card, dict):
         return None, "is not a JSON object"
     return card, None
 
 
 def card_of_this_file(model: str | Path, sha256: str | None) -> dict | None:
-    """The card beside ``model`` where it describes this very file (its ``model_file`` names it and its ``sha256``
-    is ``sha256``), else None."""
+    """The card beside ``model`` where it describes this very file (its ``sha256`` is ``sha256``, whatever name
+    its ``model_file`` gives: a renamed copy keeps its card), else None."""
     card, _ = read_card(model)
-    if card is None or sha256 is None or card.get("model_file") != Path(model).name or card.get("sha256") != sha256:
+    if card is None or sha256 is None or card.get("sha256") != sha256:
         return None
     return card
 
@@ -329,7 +334,8 @@ def state_dict_of(obj: dict, path: str | Path) -> dict:
     else:
         sd = obj
     if not isinstance(sd, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
-        raise ModelFileError(f"model file {path} is not a state_dict of tensors")
+        raise ModelFileError(f"model file {path} is not a state_dict of tensors: point to a .dat or .ckpt that main.py "
+                             f"wrote, or an upstream .dat")
     return sd
 
 
@@ -446,7 +452,8 @@ def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | P
             parts.append(f"missing {', '.join(missing[:4])}{'...' if len(missing) > 4 else ''}")
         if extra:
             parts.append(f"unexpected {', '.join(extra[:4])}{'...' if len(extra) > 4 else ''}")
-        raise ModelFileError(f"model file {path} is not an A3Clstm state_dict: {'; '.join(parts)}")
+        raise ModelFileError(f"model file {path} is not an A3Clstm state_dict: {'; '.join(parts)}: point to a model "
+                             f"of this repository's (or upstream's) A3Clstm")
     not_float = [k for k in want if not sd[k].is_floating_point()]
     if not_float:
         raise ModelFileError(f"model file {path} holds {sd[not_float[0]].dtype} tensors ({', '.join(not_float[:4])}"

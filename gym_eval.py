@@ -37,6 +37,7 @@ if __name__ == "__main__":  # a Ctrl-C during the imports: one line, exit 130 (m
 import argparse
 import csv
 import json
+import math
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -365,8 +366,8 @@ def trace_path(args: argparse.Namespace, game: int) -> Path:
 def output_problems(args: argparse.Namespace) -> list[str]:
     """The per-game outputs a folder stands where a file would go, or an earlier evaluation's file that would be
     replaced (the videos of the games ``--record`` writes, every game's ``--trace`` CSV), and a ``--json`` that
-    names the model file, its card or the game log, which it would replace: one line each (checked before the
-    first game)."""
+    names the model file, its card or the game log, or an existing file that is not an earlier summary, which it
+    would replace: one line each (checked before the first game)."""
     errors = []
     for flag, paths in (("--record", [video_path(args, i) for i in range(0, args.num_episodes, args.render_freq)]
                          if args.record else []),
@@ -394,7 +395,26 @@ def output_problems(args: argparse.Namespace) -> list[str]:
         hit = next((k for k in kept if os.path.realpath(k) == target), None)
         if hit is not None:
             errors.append(f"--json {args.json} is {hit}, which the summary would replace: pass another --json PATH")
+        elif os.path.isfile(target) and not is_summary(Path(target)):
+            errors.append(f"--json {args.json} exists and is not a gym_eval.py summary, which this one would "
+                          f"replace: pass another --json PATH, or move that file away")
     return errors
+
+
+SUMMARY_KEYS = ("env", "episodes", "scores", "lengths", "protocol")  # what every gym_eval.py summary holds
+SUMMARY_MAX_BYTES = 256 * 2**20
+
+
+def is_summary(path: Path) -> bool:
+    """``path`` holds a summary an earlier gym_eval.py run wrote (a JSON object with ``SUMMARY_KEYS``), which a new
+    one may replace: nothing else is written over (a model card, a results file it cites, a config)."""
+    try:
+        if path.stat().st_size > SUMMARY_MAX_BYTES:
+            return False
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in SUMMARY_KEYS)
 
 
 def write_json_atomically(path: Path, text: str) -> None:
@@ -534,8 +554,8 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
                compute_precision: str | None = None) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
 
-    A card is ``<stem>.json`` next to the model file whose ``model_file`` names it (trained_models/ ships one per
-    model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file", "see_skipped_frames"}``:
+    A card is ``<stem>.json`` next to the model file whose ``model_file`` names it, or whose ``sha256`` is the file's
+    (a renamed copy; trained_models/ ships one card per model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file", "see_skipped_frames"}``:
     ``evaluation`` is the card's entry for ``env_id`` (None where it has none): the first whose protocol is
     ``proto`` and whose precision is ``compute_precision`` where one is, else the first on ``env_id``;
     ``same_file`` is False where the card's sha256 is not the played file's ``sha256`` (a model replaced after its
@@ -545,9 +565,9 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
     card, problem = read_card(model)
     if problem is not None:
         return {"path": str(path), "problem": problem}
-    if card is None or card.get("model_file") != model.name:
+    same_file = card is not None and sha256 is not None and sha256 == card.get("sha256")
+    if card is None or (card.get("model_file") != model.name and not same_file):
         return None
-    same_file = sha256 is not None and sha256 == card.get("sha256")
     evaluations = card.get("evaluations", [])
     if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
         raise TypeError("its 'evaluations' is not a list of objects")
@@ -558,6 +578,47 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
     evaluation = (matching or on_env or [None])[0]
     return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file,
             "see_skipped_frames": card.get("see_skipped_frames") is True}
+
+
+def is_number(x) -> bool:
+    """A JSON number that is a finite float (not a bool, not an integer too large for a float)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def card_shape_problems(model: Path, sha256: str | None) -> list[str]:
+    """The card beside ``model`` (``card_claim``'s) where gym_eval.py could not compare its result with it: a
+    ``<stem>.json`` that is not a JSON object, or one that describes this file and whose evaluations lack a field
+    ``card_line`` prints, or hold it in another type. One line each, checked before the first game."""
+    path = model.with_suffix(".json")
+    fix = "fix the card, or move it away to evaluate without it"
+    card, problem = read_card(model)
+    if problem is not None:
+        return [f"card {path} {problem}: {fix}"]
+    if card is None or (card.get("model_file") != model.name and card.get("sha256") != sha256):
+        return []
+    evaluations = card.get("evaluations", [])
+    if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
+        return [f"card {path}: its 'evaluations' is not a list of objects: {fix}"]
+    checks = (("env", lambda v: isinstance(v, str), "a string"),
+              ("episodes", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+              ("mean", is_number, "a finite number"), ("std", is_number, "a finite number"),
+              ("source", lambda v: isinstance(v, str), "a string"),
+              ("protocol", lambda v: isinstance(v, dict), "an object"))
+    optional = (("first_seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+                ("precision", lambda v: isinstance(v, str), "a string"))
+    found = []
+    for i, e in enumerate(evaluations, 1):
+        bad = [f"'{k}' is {'missing' if k not in e else 'not ' + what}" for k, ok, what in checks
+               if k not in e or not ok(e[k])]
+        bad += [f"'{k}' is not {what}" for k, ok, what in optional if e.get(k) is not None and not ok(e[k])]
+        if bad:
+            found.append(f"card {path}: evaluation {i}: {', '.join(bad)}: {fix}")
+    return found
 
 
 def card_line(claim: dict, env_id: str, n: int, s: dict, proto: dict, compute_precision: str,
@@ -611,6 +672,7 @@ def check_before_start(args: argparse.Namespace) -> list[str] | tuple:
             if model_sha256 != before:
                 raise ModelFileError(f"model file {path} changed while it was read: evaluate it once nothing "
                                      "writes it")
+            errors += card_shape_problems(path, model_sha256)
         except ModelFileError as e:
             msg = str(e)
             if "does not exist" in msg:
@@ -821,11 +883,11 @@ def summarise_and_write(args: argparse.Namespace, path: Path | None, model_sha25
         print(line, flush=True)
     claim = None
     if not args.random_actions:
-        try:  # a hand-edited card must not cost the results
+        try:  # checked before the first game (card_shape_problems); a card edited since must not cost the results
             claim = card_claim(path, args.env, model_sha256, proto, args.compute_precision)
             if claim is not None:
                 claim["line"] = card_line(claim, args.env, n, s, proto, args.compute_precision, args.seed)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except Exception as e:  # noqa: BLE001 -- any hand edit: the summary below is still written
             claim = {"path": str(path.with_suffix(".json")), "line": f"card: {path.with_suffix('.json')} is "
                                                                       f"malformed ({e}): not compared"}
     if claim is not None:

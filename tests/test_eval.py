@@ -488,6 +488,19 @@ def test_outputs_that_would_replace_inputs_or_land_on_folders_are_refused_before
             "PATH")
     assert model.read_bytes() == before and card.read_text() == "{}"
     assert (logs / "PongNoFrameskip-v4_mon_log").read_text() == "earlier games\n"
+    # any other file that is not an earlier summary: another model's card, a results file a card cites, a config
+    # (before, only the three above were protected, and these were replaced with exit 0)
+    others = {"other card": ('{"model_file": "BreakoutNoFrameskip-v4.dat"}', "BreakoutNoFrameskip-v4.json"),
+              "another model": ("not JSON", "BreakoutNoFrameskip-v4.dat"),
+              "a JSON with scores but no protocol": ('{"env": "PongNoFrameskip-v4", "scores": [21.0]}', "cited.json")}
+    for text, name in others.values():
+        target = model_dir / name
+        target.write_text(text)
+        for flags in (common, [*SHORT[2:], "--log-dir", str(logs), "--num-episodes", "3", "--random-actions"]):
+            assert bad_eval(tmp_path, *flags, "--json", str(target)) == (
+                f"gym_eval.py: error: --json {target} exists and is not a gym_eval.py summary, which this one would "
+                "replace: pass another --json PATH, or move that file away")
+        assert target.read_text() == text
     (tmp_path / "traces" / "PongNoFrameskip-v4_game001.csv").mkdir(parents=True)
     (tmp_path / "traces" / "PongNoFrameskip-v4_game002.csv").mkdir()
     assert bad_eval(tmp_path, *common, "--trace", str(tmp_path / "traces")) == (
@@ -501,16 +514,50 @@ def test_outputs_that_would_replace_inputs_or_land_on_folders_are_refused_before
     assert sorted(p.name for p in logs.iterdir()) == ["PongNoFrameskip-v4_mon_log"]
 
 
-def test_a_malformed_card_costs_nothing_but_the_comparison(tmp_path, model_dir):
-    """A hand-edited card whose evaluations are not a list: the games are summarised and written, and the card
-    line says it is malformed."""
-    (model_dir / "PongNoFrameskip-v4.json").write_text(json.dumps(
-        {"model_file": "PongNoFrameskip-v4.dat", "env": "PongNoFrameskip-v4", "evaluations": None}))
-    out, r = evaluate(tmp_path, model_dir, "card", "--num-episodes", "1")
-    assert out["episodes"] == 1 and len(out["scores"]) == 1 and "Traceback" not in r.stderr
-    line = f"card: {model_dir / 'PongNoFrameskip-v4.json'} is malformed (its 'evaluations' is not a list of objects): " \
-           "not compared"
-    assert line in r.stdout.splitlines() and out["card"]["line"] == line
+@pytest.mark.parametrize("card,problem", [
+    ({"evaluations": None}, "its 'evaluations' is not a list of objects"),
+    ({"evaluations": [{"env": "PongNoFrameskip-v4", "episodes": 100, "mean": 10 ** 400, "std": 1.0, "source": "x",
+                       "protocol": {}}]}, "evaluation 1: 'mean' is not a finite number"),
+    ({"evaluations": [{"env": "PongNoFrameskip-v4", "episodes": True, "std": 1.0, "source": "x", "protocol": {},
+                       "first_seed": "1"}]},
+     "evaluation 1: 'episodes' is not a whole number >= 1, 'mean' is missing, 'first_seed' is not a whole number"),
+    ("[" * 100000, "is not JSON that can be read (nested too deeply)"),
+    ('{"model_file": ', "is not JSON (Expecting value")])
+def test_a_card_gym_eval_could_not_compare_with_is_refused_before_any_game(tmp_path, model_dir, card, problem):
+    """A hand-edited card beside the model: before, one whose evaluations were not a list was named only after
+    every game (exit 0), a mean too large for a float ended the run after its games with a traceback and no
+    summary, and a card nested too deeply ended it with a traceback before any. Now each is one line and exit 2
+    before any game, the card and the model as they were."""
+    path = model_dir / "PongNoFrameskip-v4.json"
+    text = card if isinstance(card, str) else json.dumps({"model_file": "PongNoFrameskip-v4.dat",
+                                                          "env": "PongNoFrameskip-v4", **card})
+    path.write_text(text)
+    line = bad_eval(tmp_path, *SHORT, "--load-model-dir", str(model_dir), "--num-episodes", "1")
+    assert line.startswith(f"gym_eval.py: error: card {path}") and problem in line, line
+    assert line.endswith(": fix the card, or move it away to evaluate without it")
+    assert path.read_text() == text and not (tmp_path / "PongNoFrameskip-v4_eval.json").exists()
+
+
+def test_a_renamed_copy_keeps_its_card(tmp_path, model_dir):
+    """A card is matched to its model by sha256 as well as by name: a copy renamed with its card (``mine.dat``,
+    ``mine.json``) still gets the card line and the card's see_skipped_frames. Before, the card was dropped without
+    a word, and a model trained on the max over the skipped frames played without it."""
+    import hashlib
+    model = model_dir / "PongNoFrameskip-v4.dat"
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    from environment import protocol
+    proto = json.loads(json.dumps(protocol("Pong-v0", max_episode_length=60, skip_rate=4, episodic_life=False,
+                                           see_skipped=True)))
+    card = {"model_file": "PongNoFrameskip-v4.dat", "sha256": digest, "env": "Pong-v0", "see_skipped_frames": True,
+            "evaluations": [{"env": "Pong-v0", "episodes": 100, "first_seed": 1, "mean": -20.0, "std": 1.0,
+                             "source": "results/x.json", "precision": "fp32", "protocol": proto}]}
+    model.rename(model_dir / "mine.dat")
+    (model_dir / "mine.json").write_text(json.dumps(card))
+    out, r = evaluate(tmp_path, model_dir, "renamed", "--env", "Pong-v0", "--model-file", "mine", "--num-episodes",
+                      "1")
+    assert out["protocol"]["max_over_frames"] == 3 and out["protocol"] == proto
+    assert out["card"]["same_file"] and out["card"]["line"].startswith(
+        "card: Pong-v0 100 games -20.00 ± 1.00 (results/x.json); this run: 1 games")
 
 
 def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, monkeypatch, capsys):
@@ -519,7 +566,7 @@ def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, mon
     import gym_eval
     out = tmp_path / "out" / "keep.json"
     out.parent.mkdir()
-    out.write_text('{"a previous": "summary"}\n')
+    out.write_text('{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n')
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -532,14 +579,14 @@ def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, mon
         f"gym_eval.py: error: the summary could not be written to {out} (No space left on device); the lines above "
         "are this run's result: free space or pass --json PATH somewhere writable, and run again\n")
     assert "2 games, mean" in captured.out
-    assert out.read_text() == '{"a previous": "summary"}\n' and [p.name for p in out.parent.iterdir()] == ["keep.json"]
+    assert out.read_text() == '{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n' and [p.name for p in out.parent.iterdir()] == ["keep.json"]
 
 
 def test_a_summary_json_that_is_a_link_is_written_through_it(tmp_path, capsys):
     """--json naming a symbolic link: its target gets the summary, and the link stays a link."""
     import gym_eval
     real, link = tmp_path / "real.json", tmp_path / "link.json"
-    real.write_text('{"old": 1}\n')
+    real.write_text('{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n')
     link.symlink_to(real)
     assert gym_eval.main([*SHORT[2:], "--random-actions", "--num-episodes", "1", "--log-dir", str(tmp_path / "logs"),
                           "--json", str(link)]) == 0
@@ -1222,7 +1269,7 @@ def test_see_skipped_frames_evaluates_the_same_games_and_says_what_it_maxed(tmp_
 @pytest.mark.parametrize("card,flags,maxed,line", [
     ({"see_skipped_frames": True}, [], 3, True),
     ({"see_skipped_frames": True}, ["--no-see-skipped-frames"], 1, False),
-    ({"see_skipped_frames": True, "model_file": "other.dat"}, [], 1, False),  # a card of another file
+    ({"see_skipped_frames": True, "model_file": "other.dat"}, [], 3, True),  # the same file (sha256) renamed
     ({"see_skipped_frames": True, "sha256": "0" * 64}, [], 1, False),  # a card of a file since replaced
     ({}, [], 1, False),
     ({}, ["--see-skipped-frames"], 3, False),
@@ -1230,8 +1277,8 @@ def test_see_skipped_frames_evaluates_the_same_games_and_says_what_it_maxed(tmp_
 def test_a_model_s_card_turns_see_skipped_frames_on_unless_told_otherwise(tmp_path, model_dir, card, flags, maxed,
                                                                            line):
     """``--env Pong-v0`` finds ``Pong-v0.dat`` by its name; its card's ``see_skipped_frames`` decides what the games
-    show unless a flag does (a card whose sha256 is another file's decides nothing); the summary JSON's protocol
-    says what they showed."""
+    show unless a flag does (a card whose sha256 is another file's decides nothing, one whose sha256 is this file's
+    decides under any name); the summary JSON's protocol says what they showed."""
     import hashlib
     (model_dir / "PongNoFrameskip-v4.dat").rename(model_dir / "Pong-v0.dat")
     if card is not None:

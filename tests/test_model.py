@@ -140,6 +140,15 @@ def test_corrupt_and_foreign_files(tmp_path):
     bad.write_bytes(b"this is not a model")
     with pytest.raises(ModelFileError, match="corrupt or not a PyTorch weights file"):
         read_weights(bad)
+    # a text file: torch.load's legacy reader raises KeyError(the first byte), which said "(116)" to the user
+    with pytest.raises(ModelFileError) as e:
+        read_weights(bad)
+    assert "(its bytes are neither a zip archive nor a pickle that torch.load reads)" in str(e.value)
+    listed = tmp_path / "listed.dat"
+    torch.save([torch.zeros(1)], listed)
+    with pytest.raises(ModelFileError, match="holds a list, not a state_dict: point to a .dat or .ckpt that main.py "
+                                             "wrote, or an upstream .dat"):
+        read_weights(listed)
     other = tmp_path / "other.dat"
     torch.save({"a": torch.zeros(1)}, other)
     with pytest.raises(ModelFileError, match="missing conv1.weight"):
