@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -26,7 +27,14 @@ CARD_FIELDS = ("model_file", "sha256", "bytes", "format", "env", "training", "ma
 # what a card's "format" says of the file: "16 float16 tensors (A3Clstm, hidden size 512, 6 actions)"
 FORMAT = re.compile(r"(\d+) (float16|float32) tensors \(A3Clstm, hidden size (\d+), (\d+) actions\)")
 # a figure quoted from another JSON of results/: "449.30 ± 154.05 on SpaceInvadersNoFrameskip-v0 (results/x.json)"
-CITED = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d) on (\S+) \((results/[^)]+\.json)\)")
+# or "(19.27 ± 1.41 on ALE/Pong-v5, results/x.json)"
+CITED = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d) on ([^\s,]+)(?: \(|, )(results/[^),;\s]+\.json)")
+FIGURE = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d)")  # "mean ± std", as cards quote an evaluation
+RESULTS_JSON = re.compile(r"results/[\w{},*.\-]+?\.json")  # one file, or several by {a,b} or *
+# "mean ± std on ENV" in a card's limitations, the env a word that ends at a space, a comma, a semicolon or a stop
+ON_ENV = re.compile(r"(-?\d+\.\d\d) ± (\d+\.\d\d) on ([\w/\-]+)")
+# "trained_models/X.dat (21.00 ..." or "trained_models/X.dat (19.27)": another model's figure, one of its card's means
+OTHER_MODEL = re.compile(r"trained_models/([\w.\-]+\.dat) \((-?\d+\.\d\d)")
 TRAINING_FIELDS = ("pieces", "global_steps", "wall_time_s", "monitor_csvs")
 PIECE_FIELDS = ("command", "commit")
 MACHINE_FIELDS = ("cpu", "cores", "precision")
@@ -107,7 +115,8 @@ def _training_problems(training: dict, repo: Path, name: str) -> list[str]:
 
 
 def _flag(command: str, names: tuple[str, ...], default=None):
-    """The value of the first of ``names`` in a shell ``command`` (``--env X`` or ``--env=X``), else ``default``."""
+    """The value of the first of ``names`` in a shell ``command`` (``--env X`` or ``--env=X``), else ``default``:
+    for main.py's commands, which may be chained with other shell commands."""
     words = shlex.split(command)
     for i, w in enumerate(words):
         for n in names:
@@ -118,19 +127,57 @@ def _flag(command: str, names: tuple[str, ...], default=None):
     return default
 
 
-def _command_problems(entry: dict, where: str, random_actions: bool) -> list[str]:
-    """A ``gym_eval.py`` command of an evaluation or chance entry against the entry: the env, the JSON it wrote
-    (the ``source``), the seed, the games and the precision it says, with gym_eval.py's defaults."""
+def _parsed_eval_command(cmd: str):
+    """``cmd`` (``python gym_eval.py ...``) parsed by gym_eval.py's own parser, as it would run: the last of a
+    repeated flag counts, short and attached forms included. None where the parser refuses it."""
+    import contextlib
+    import io
+
+    from gym_eval import build_parser
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return build_parser().parse_args(shlex.split(cmd)[2:])
+    except SystemExit:
+        return None
+
+
+def _command_problems(entry: dict, where: str, random_actions: bool, repo: Path | None = None,
+                      card: dict | None = None) -> list[str]:
+    """A ``gym_eval.py`` command of an evaluation or chance entry against the entry, as gym_eval.py's parser reads
+    it: the env, the JSON it wrote (the ``source``), the seed, the games and the precision, and the protocol it
+    plays (the card's ``see_skipped_frames`` where no flag says). With ``repo`` and ``card``, an evaluation's
+    command, run from ``repo``, plays the card's own model file."""
+    from environment import protocol
+    from gym_eval import resolve_model_file
     cmd = entry["command"]
-    if not cmd.startswith("python gym_eval.py ") or ("--random-actions" in shlex.split(cmd)) != random_actions:
+    args = _parsed_eval_command(cmd) if cmd.startswith("python gym_eval.py ") else None
+    if args is None or args.random_actions != random_actions:
         return [f"{where}: command {cmd!r} is not a gym_eval.py run{' with' if random_actions else ' without'} "
                 f"--random-actions"]
-    said = {"env": _flag(cmd, ("--env", "-ev"), "PongNoFrameskip-v4"), "source": _flag(cmd, ("--json",)),
-            "first_seed": int(_flag(cmd, ("--seed", "-s"), 1)), "episodes": int(_flag(cmd, ("--num-episodes", "-ne"),
-                                                                                     100))}
+    said = {"env": args.env, "source": args.json, "first_seed": args.seed, "episodes": args.num_episodes}
     if not random_actions:
-        said["precision"] = _flag(cmd, ("--precision",), "fp32")
-    return [f"{where}: its command says {k} {v!r}, the entry {entry[k]!r}" for k, v in said.items() if entry[k] != v]
+        said["precision"] = args.precision
+    found = [f"{where}: its command says {k} {v!r}, the entry {entry[k]!r}" for k, v in said.items() if entry[k] != v]
+    seen = args.see_skipped_frames
+    if seen is None:
+        seen = not random_actions and card is not None and card.get("see_skipped_frames") is True
+    plays = json.loads(json.dumps(protocol(args.env, max_episode_length=args.max_episode_length,
+                                           skip_rate=args.skip_rate, episodic_life=False, see_skipped=seen)))
+    if "protocol" in entry and plays != entry["protocol"]:
+        differ = sorted(k for k in set(plays) | set(entry["protocol"]) if plays.get(k) != entry["protocol"].get(k))
+        found.append(f"{where}: its command plays another protocol than the entry's ({', '.join(differ)})")
+    if repo is not None and card is not None and not random_actions:
+        import contextlib
+        from checkpoint import ModelFileError
+        try:
+            with contextlib.chdir(repo):
+                played = Path(os.path.abspath(resolve_model_file(args)))
+        except ModelFileError as e:
+            played = f"none ({e})"
+        if played != (repo / "trained_models" / card["model_file"]).absolute():
+            found.append(f"{where}: its command, run from the repository, plays {played}, not "
+                         f"trained_models/{card['model_file']}")
+    return found
 
 
 def _summary_problems(summary: dict, where: str) -> list[str]:
@@ -207,7 +254,8 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
             found.append(f"{where}: the source evaluated {summary.get('model')}, not {model_rel}")
         if summary.get("model_sha256") != card["sha256"]:
             found.append(f"{where}: the source played a file of sha256 {summary.get('model_sha256')}, not the card's")
-        found += _command_problems(e, where, random_actions=False) + _summary_problems(summary, where)
+        found += _command_problems(e, where, random_actions=False, repo=repo, card=card)
+        found += _summary_problems(summary, where)
         if e["episodes"] < 100:
             found.append(f"{where}: {e['episodes']} games, a card's evaluations have at least 100")
         sticky.add(e["protocol"].get("repeat_action_probability", 0) > 0)
@@ -219,7 +267,87 @@ def _evaluation_problems(card: dict, model: Path, repo: Path, name: str) -> list
         found.append(f"{name}: no evaluation on the env it was trained on, {card['env']}")
     quoted = set(re.findall(r"-?\d+\.\d\d ± \d+\.\d\d", card["limitations"]))
     measured = {f"{e['mean']:.2f} ± {e['std']:.2f}" for e in card["evaluations"] + (card.get("chance") or [])}
-    return found + [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+    found += [f"{name}: limitations quote {q}, which no evaluation measured" for q in sorted(quoted - measured)]
+    return found + _quoted_figure_problems(card, model.parent, name)
+
+
+def _quoted_figure_problems(card: dict, models_dir: Path, name: str) -> list[str]:
+    """The limitations' figures tied to an env or to another model: ``mean ± std on ENV`` is the card's evaluation
+    on ENV (an env it was evaluated on), and ``trained_models/X.dat (m`` one of X's card's means."""
+    found = []
+    by_env: dict[str, set] = {}
+    for e in card["evaluations"] + (card.get("chance") or []):  # the model's, and uniformly random actions'
+        by_env.setdefault(e["env"], set()).add((f"{e['mean']:.2f}", f"{e['std']:.2f}"))
+    for mean, std, env in ON_ENV.findall(card["limitations"]):
+        if env in by_env and (mean, std) not in by_env[env]:
+            found.append(f"{name}: limitations quote {mean} ± {std} on {env}; the card's evaluation on {env} is "
+                         f"{', '.join(' ± '.join(x) for x in sorted(by_env[env]))}")
+    for other, mean in OTHER_MODEL.findall(card["limitations"]):
+        path = (models_dir / other).with_suffix(".json")
+        if not path.is_file():
+            found.append(f"{name}: limitations name trained_models/{other}, which has no card")
+            continue
+        means = {f"{e['mean']:.2f}" for e in json.loads(path.read_text())["evaluations"]}
+        if mean not in means:
+            found.append(f"{name}: limitations give trained_models/{other} {mean}, none of its card's means "
+                         f"({', '.join(sorted(means))})")
+    return found
+
+
+def _results_files(repo: Path, cited: str) -> list[Path]:
+    """The files of results/ that ``cited`` names: one file, ``{a,b}`` alternatives, or a ``*`` pattern."""
+    m = re.search(r"\{([^}]*)\}", cited)
+    if m:
+        return [f for part in m[1].split(",") for f in _results_files(repo, cited[:m.start()] + part + cited[m.end():])]
+    return sorted(repo.glob(cited)) if "*" in cited else [repo / cited]
+
+
+_FIGURES_BY_CONTENT: dict[bytes, tuple[str, str] | None] = {}  # a JSON's bytes' digest -> its (mean, std)
+
+
+def _figures_of(files: list[Path]) -> set[tuple[str, str]]:
+    """The ``(mean, std)`` of each gym_eval.py JSON among ``files``, to two decimals (each content parsed once per
+    session: every test reads the same results/ in its own copy)."""
+    pool = set()
+    for f in files:
+        data = f.read_bytes()
+        key = hashlib.sha256(data).digest()
+        if key not in _FIGURES_BY_CONTENT:
+            try:
+                s = json.loads(data)
+            except ValueError:
+                s = None
+            ok = isinstance(s, dict) and is_number(s.get("mean")) and is_number(s.get("std"))
+            _FIGURES_BY_CONTENT[key] = (f"{s['mean']:.2f}", f"{s['std']:.2f}") if ok else None
+        if _FIGURES_BY_CONTENT[key] is not None:
+            pool.add(_FIGURES_BY_CONTENT[key])
+    return pool
+
+
+def _stopped_problems(card: dict, repo: Path, name: str) -> list[str]:
+    """Each training piece's ``stopped`` text: every ``mean ± std`` it quotes is that of a gym_eval.py JSON it
+    cites in results/, or, where it cites none, of some JSON in results/."""
+    found = []
+    for i, piece in enumerate(card["training"]["pieces"], 1):
+        text = piece.get("stopped", "")
+        figures = FIGURE.findall(text)
+        if not figures:
+            continue
+        cites = RESULTS_JSON.findall(text)
+        cited = [f for c in cites for f in _results_files(repo, c)]
+        missing = [f.relative_to(repo).as_posix() for f in cited if not f.is_file()]
+        if missing or (cites and not cited):
+            found.append(f"{name} training piece {i}: stopped cites {missing or cites}, not files in results/")
+            continue
+        pool = _figures_of(cited or sorted(repo.glob("results/*.json")))
+        found += [f"{name} training piece {i}: stopped quotes {m} ± {sd}, which "
+                  f"{'no JSON it cites' if cites else 'no JSON in results/'} measured"
+                  for m, sd in figures if (m, sd) not in pool]
+    return found
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _observation_problems(card: dict, name: str) -> list[str]:
@@ -258,8 +386,11 @@ def _format_problems(card: dict, model: Path, name: str) -> list[str]:
 def _storage_problems(card: dict, repo: Path, name: str) -> list[str]:
     """``storage_note`` (optional: how the file was stored, and what the weights scored before): each figure it
     quotes as ``mean ± std on ENV (results/X.json)`` is that JSON's, on that env."""
-    found = []
-    for mean, std, env, source in CITED.findall(card.get("storage_note", "")):
+    note = card.get("storage_note", "")
+    found = [f"{name} storage_note: it cites {rel} in no 'mean ± std on ENV (results/x.json)' or '..., "
+             f"results/x.json)' the test can read" for rel in sorted(set(RESULTS_JSON.findall(note)))
+             if rel not in {c[3] for c in CITED.findall(note)}]
+    for mean, std, env, source in CITED.findall(note):
         if not _in_results(repo, source):
             found.append(f"{name} storage_note: {source} is not a file in results/")
             continue
@@ -362,6 +493,7 @@ def card_problems(models_dir: Path, repo: Path) -> list[str]:
         problems += _evaluation_problems(card, model, repo, name)
         problems += _chance_problems(card, repo, name)
         problems += _storage_problems(card, repo, name)
+        problems += _stopped_problems(card, repo, name)
     return problems
 
 
@@ -430,8 +562,12 @@ def test_a_readme_row_that_disagrees_with_its_card_is_reported(tmp_path):
 
 @pytest.fixture
 def repo_copy(tmp_path) -> Path:
-    """trained_models/ (cards copied, model files linked) and every results/ file the cards cite, under tmp_path."""
+    """trained_models/ (cards copied, model files linked), every JSON of results/ (a piece's stop may quote any)
+    and every other file the cards cite, under tmp_path."""
     (tmp_path / "trained_models").mkdir()
+    (tmp_path / "results").mkdir()
+    for f in (ROOT / "results").glob("*.json"):
+        shutil.copy(f, tmp_path / "results" / f.name)
     for f in (ROOT / "trained_models").iterdir():
         if f.suffix == ".json":
             shutil.copy(f, tmp_path / "trained_models" / f.name)
@@ -523,6 +659,34 @@ BREAKAGES = {
         lambda c: c.update(storage_note="Before: 20.00 ± 0.00 on PongNoFrameskip-v4 "
                                         "(results/pong_eval_default.json)."),
         "storage_note: 20.00 ± 0.00 on PongNoFrameskip-v4, results/pong_eval_default.json says 21.00 ± 0.00"),
+    # the checks below came with a review that found each of these passing
+    "an evaluation command that plays another model": (
+        lambda c: _default(c).update(command=_default(c)["command"] + " --model-file ALE_Pong-v5"),
+        "its command, run from the repository, plays "),
+    "an evaluation command with another time limit": (
+        lambda c: _default(c).update(command=_default(c)["command"] + " --max-episode-length 27000"),
+        "its command plays another protocol than the entry's (time_limit_agent_steps)"),
+    "a flag given twice, the last counting": (
+        lambda c: _default(c).update(command=_default(c)["command"] + " --seed 1 --seed 7"),
+        "its command says first_seed 7"),
+    "a flag gym_eval.py's parser refuses": (lambda c: _default(c).update(command=_default(c)["command"] + " -ne30"),
+                                            "is not a gym_eval.py run without --random-actions"),
+    "a figure put on another env": (
+        lambda c: c.update(limitations=c["limitations"].replace("on PongNoFrameskip-v0", "on PongNoFrameskip-v4")),
+        "limitations quote 1.40 ± 11.12 on PongNoFrameskip-v4; the card's evaluation on PongNoFrameskip-v4 is"),
+    "another model's figure": (
+        lambda c: c.update(limitations=c["limitations"] + " For sticky actions trained_models/ALE_Pong-v5.dat (18.45)."),
+        "limitations give trained_models/ALE_Pong-v5.dat 18.45, none of its card's means"),
+    "a figure in a piece's stop": (
+        lambda c: c["training"]["pieces"][0].update(stopped=c["training"]["pieces"][0]["stopped"] + " (20.50 ± 0.50 "
+                                                    "over 100 games: results/pong_eval_default.json)"),
+        "training piece 1: stopped quotes 20.50 ± 0.50, which no JSON it cites measured"),
+    "a storage note figure in the comma form": (
+        lambda c: c.update(storage_note="Before: 21.00 ± 0.00 on PongNoFrameskip-v4, results/pong_eval_sticky.json."),
+        "storage_note: 21.00 ± 0.00 on PongNoFrameskip-v4, results/pong_eval_sticky.json says 1.76 ± 11.06"),
+    "a storage note citation in no form the test reads": (
+        lambda c: c.update(storage_note="Before: 20.00 (results/pong_eval_default.json)."),
+        "storage_note: it cites results/pong_eval_default.json in no"),
 }
 
 
