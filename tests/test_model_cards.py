@@ -52,7 +52,7 @@ def _missing(d: dict, fields: tuple[str, ...], where: str) -> list[str]:
 
 def _in_results(repo: Path, rel: str) -> bool:
     """``rel`` names a file in ``repo``'s results/ folder, where the project keeps what it measured."""
-    return Path(rel).parts[:1] == ("results",) and (repo / rel).is_file()
+    return Path(rel).parts[:1] == ("results",) and ".." not in Path(rel).parts and (repo / rel).is_file()
 
 
 def _last_row(path: Path) -> dict:
@@ -613,6 +613,9 @@ BREAKAGES = {
                                                                         "'PongNoFrameskip-v0'"),
     "a missing source": (lambda c: _default(c).update(source="results/not_there.json"),
                          "the source is not a file in results/"),
+    "a source outside results/ by ..": (
+        lambda c: _default(c).update(source="results/../trained_models/PongNoFrameskip-v4.json"),
+        "the source is not a file in results/"),
     "the precision": (lambda c: _default(c).update(precision="bf16"), "precision bf16"),
     "a missing sticky evaluation": (lambda c: c["evaluations"].remove(_sticky(c)), "no evaluation with sticky"),
     "a missing field": (lambda c: _drop(c["machine"], "precision"), "machine: no 'precision'"),
