@@ -196,7 +196,7 @@ def use_device(device: torch.device) -> None:
     process that computes on a GPU calls this first (workers, the GA3C server, the monitor, gym_eval.py)."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device: nothing to set
         torch.cuda.set_device(device)
 
 

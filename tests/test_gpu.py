@@ -143,9 +143,10 @@ def with_activations(model, segments):
     return segments
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("replay", [False, True], ids=["conv-forward", "replayed-activations"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
-def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device, replay):
+def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu(device, replay, precision):
     """GA3C: a trainer on ``device`` copies the CPU shared weights, computes the batch's gradient there and hands
     it to the CPU shared Adam; the gradient it hands over at each update is a CPU trainer's on the same batches
     (up to the device's rounding), and the shared weights stay as close to the CPU run's as Adam allows.
@@ -154,7 +155,10 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
     the trainer's device; every frame is then replayed, and every update hands over the gradient of running the
     convolutions again. On the CPU without replay both runs are the same code: that case checks only where the
     weights and gradients live (the gradient itself is tested against a reference in
-    test_ga3c_production_update.py)."""
+    test_ga3c_production_update.py). ``precision`` bf16: the device trainer (and the acting model whose
+    activations it replays) runs the encoder in bf16, as ``--precision auto`` does on an H100 or H200, and each
+    update's whole gradient is held to test_precision.py's bound against the float32 CPU trainer's (25% relative
+    L2, cosine 0.97); the shared weights, the gradients handed over and Adam's statistics stay float32."""
     import dataclasses
 
     from ga3c.settings import Ga3cSettings
@@ -166,14 +170,16 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
     weights = A3Clstm(1, 6, 32).state_dict()
     batches = [random_segments([5, 3], ["cut", "term"], seed=seed) for seed in range(3)]
 
-    def train(dev, replay):
+    def train(dev, replay, prec="fp32"):
         use_device(torch.device(dev))  # as the GA3C server process does before it builds its trainers
         shared = A3Clstm(1, 6, 32)
         shared.load_state_dict(weights)
         shared.share_memory()
         opt = RecordingSharedAdam(shared.parameters(), lr=1e-3)
-        trainer = Trainer(shared, opt, Ga3cSettings(num_steps=5, train_batch=2), device=dev)
+        trainer = Trainer(shared, opt, Ga3cSettings(num_steps=5, train_batch=2, compute_precision=prec), device=dev)
         acting = A3Clstm(1, 6, 32).channels_last()
+        if prec == "bf16":
+            acting.set_precision(torch.bfloat16)  # a bf16 predictor's activations
         for segments in batches:
             version = trainer.version()
             segments = [dataclasses.replace(s, versions=torch.full_like(s.versions, version), acts=None)
@@ -183,10 +189,29 @@ def test_a_ga3c_trainer_on_its_device_updates_the_cpu_shared_model_as_on_the_cpu
                 segments = with_activations(acting, segments)
                 assert bool(assemble(segments, version=version).replay.all())
             trainer.update(segments)
-        assert all(p.device.type == "cpu" and p.is_shared() for p in shared.parameters())
+        assert all(p.device.type == "cpu" and p.is_shared() and p.dtype == torch.float32 for p in shared.parameters())
         assert all(d.type == "cpu" and same_layout for step in opt.applied for _, d, same_layout in step)
+        assert all(g.dtype == torch.float32 for step in opt.applied for g, _, _ in step)
+        assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1)
         return opt
 
+    if precision == "bf16":
+        from test_precision import FP32_COSINE, FP32_WHOLE
+
+        def near(got_step, want_step):
+            got = torch.cat([g.flatten().cpu() for g, _, _ in got_step])
+            want = torch.cat([g.flatten().cpu() for g, _, _ in want_step])
+            whole = float((got - want).norm() / want.norm())
+            return whole <= FP32_WHOLE and float(torch.nn.functional.cosine_similarity(got, want, 0)) >= FP32_COSINE
+
+        cpu, dev = train("cpu", replay), train(device, replay, "bf16")
+        assert len(dev.applied) == len(cpu.applied) == len(batches)
+        lr = cpu.param_groups[0]["lr"]
+        for u, (cpu_step, dev_step) in enumerate(zip(cpu.applied, dev.applied)):
+            assert near(dev_step, cpu_step), f"update {u}: the bf16 trainer's gradient is not the fp32 trainer's"
+            assert max(float((a - b).abs().max()) for a, b in zip(cpu.after[u], dev.after[u])) <= 2 * lr * (u + 1)
+        return
     cpu, dev = train("cpu", replay), train(device, replay)
     # one applied gradient and one set of weights per batch, for every parameter (zip below stops at the shorter)
     n_params = len(weights)

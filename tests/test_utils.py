@@ -77,6 +77,23 @@ def test_use_device_makes_float32_work_on_cuda_run_in_float32():
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def test_use_device_sets_an_indexed_cuda_device_and_takes_plain_cuda_as_the_current_one(monkeypatch):
+    """``torch.cuda.set_device(torch.device("cuda"))`` raises ValueError (no index), which made the GA3C GPU tests
+    that pass ``"cuda"`` fail on a real GPU while their CPU cases passed; an indexed device is made current."""
+    import torch
+
+    from utils import use_device
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        use_device(torch.device("cuda"))
+        use_device(torch.device("cuda", 1))
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert calls == [torch.device("cuda", 1)]
+
+
 def test_compact_json_writes_flat_lists_on_one_line_and_loads_back_the_same():
     from utils import compact_json
     obj = {"scores": [21.0, -3.5, None], "points": [[1, 2], []], "protocol": {"frameskip": [2, 5], "sticky": 0.25},
