@@ -113,6 +113,17 @@ def env_steps_per_s(env_id: str, config: str, processes: int, seconds: float) ->
     return float(sum(rates))
 
 
+class BenchmarkFailed(RuntimeError):
+    """A mode's processes did not start stepping or died: the first line says which, the rest is what each
+    failed process reported (``run.errors``: on a GPU, the CUDA error)."""
+
+
+def failure(what: str, run: RunState) -> BenchmarkFailed:
+    """``BenchmarkFailed`` for ``what``, with every report the run's processes left."""
+    reports = "".join(f"\n{role} failed:\n{text.rstrip()}" for role, text in run.errors.read_all())
+    return BenchmarkFailed(what + reports)
+
+
 def _wait_for_first_steps(count, procs, timeout: float = 300.0) -> None:
     """Wait until the processes have started stepping (process start-up is not part of the warm-up)."""
     deadline = time.perf_counter() + timeout
@@ -188,7 +199,10 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     run = RunState(args.workers, args.score_window)
     procs = launch(ctx, args, shared, optimizer, run)
     try:
-        _wait_for_first_steps(lambda: run.global_steps.value, [p for _, p in procs])
+        try:
+            _wait_for_first_steps(lambda: run.global_steps.value, [p for _, p in procs])
+        except RuntimeError as e:
+            raise failure(str(e), run) from None
         time.sleep(warmup)
         s0, t0 = run.global_steps.value, time.perf_counter()
         rss, gpu = [], []
@@ -206,7 +220,7 @@ def training_steps_per_s(args: argparse.Namespace, warmup: float, window: float)
     finally:
         shutdown(procs, run)
     if dead:
-        raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
+        raise failure(f"{', '.join(dead)} died during the benchmark", run)
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "rss_mib_start": rss[0], "rss_mib_end": rss[-1], "gpu": summarize_gpu_samples(gpu)}
 
@@ -245,7 +259,10 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
     run = mode.run
     procs = mode.launch(ctx)
     try:
-        _wait_for_first_steps(lambda: mode.counters.version, [p for _, p in procs])
+        try:
+            _wait_for_first_steps(lambda: mode.counters.version, [p for _, p in procs])
+        except RuntimeError as e:
+            raise failure(str(e), run) from None
         deadline = time.perf_counter() + warmup
         while time.perf_counter() < deadline:
             mode.tick(time.time())
@@ -272,7 +289,7 @@ def ga3c_training_steps_per_s(args: argparse.Namespace, warmup: float, window: f
         shutdown(procs, run, slot_of=mode.slot_of)
         mode.close()
     if dead:
-        raise RuntimeError(f"{', '.join(dead)} died during the benchmark")
+        raise failure(f"{', '.join(dead)} died during the benchmark", run)
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "steps": s1 - s0, "seconds": t1 - t0,
             "updates_per_s": (u1 - u0) / (t1 - t0), "trained_steps_per_s": (n1 - n0) / (t1 - t0),
             "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "counts_end": counts_end,
@@ -738,7 +755,10 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
     print(f"machine: {res['machine']}", flush=True)
     if not opts.modes_only:
         base_costs(opts, args, res)
-    res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
+    try:
+        res["training"] = training_steps_per_s(args, opts.warmup, opts.window)
+    except BenchmarkFailed as e:
+        return mode_failed(opts, res, "training", e)
     tr = res["training"]
     print(f"training ({args.compute_precision}), {opts.workers} workers + monitor: {tr['steps_per_s']:.0f} steps/s "
           f"({tr['steps']} steps in {tr['seconds']:.0f} s)", flush=True)
@@ -772,6 +792,7 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         res["roof_fraction_a3g"] = tr["steps_per_s"] * flop / (roof * 1e9)
         print(f"fp32 matmul {res['matmul_gflops_1_thread']:.1f} GFLOP/s per thread x {os.cpu_count()} cores (the "
               f"compute roof; bf16 can pass it); A3G mode: {res['roof_fraction_a3g']:.2f} of it", flush=True)
+    write_json(opts, res)  # A3G mode's figures kept whatever happens to GA3C mode's measurement
     if opts.ga3c:
         gargs = ga3c_args(opts, out_dir / "ga3c")
         gargs.env_config = args.env_config
@@ -779,7 +800,10 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         problems = [e for e in validate(gargs) if "save-model-dir" not in e]
         if problems:
             raise SystemExit("benchmark.py: error: --ga3c-flags: " + "; ".join(problems))
-        g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
+        try:
+            g = res["ga3c"] = ga3c_training_steps_per_s(gargs, opts.warmup, opts.window)
+        except BenchmarkFailed as e:
+            return mode_failed(opts, res, "ga3c", e)
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
                                                      "predict_batch", "train_batch", "queue_size", "num_steps",
                                                      "dynamic", "compute_precision", "replay_activations",
@@ -821,10 +845,31 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
               f"{r['plain_over_ours_step_cost']:.2f}x (plain with the allocator setting: "
               f"{r['plain_keep_freed_over_ours_step_cost']:.2f}x)", flush=True)
     if opts.json:
-        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(opts, res)
         print(f"wrote {opts.json}")
     return 0
+
+
+def write_json(opts, res: dict) -> None:
+    """``res`` to ``--json`` (where given), whole: written after each mode, so that a mode that fails or a run
+    cut short keeps what was measured before."""
+    if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(opts.json).with_name(Path(opts.json).name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=2) + "\n")
+        os.replace(tmp, opts.json)
+
+
+def mode_failed(opts, res: dict, key: str, e: BenchmarkFailed) -> int:
+    """A mode whose processes failed: ``res[key]`` says so (``error``: the first line; ``reports``: what the
+    processes reported), the JSON keeps what was measured before, the reports go to stderr; exit code 1."""
+    first, _, reports = str(e).partition("\n")
+    res[key] = {"error": first, "reports": reports}
+    write_json(opts, res)
+    print(f"benchmark.py: error: {'A3G' if key == 'training' else 'GA3C'} mode: {first}" + (f"\n{reports}" if reports
+                                                                                            else ""),
+          file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

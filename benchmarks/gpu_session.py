@@ -19,26 +19,30 @@ they are printed and the exit code is 2. Then the stages (``--stages``, in this 
    and GA3C mode with ``--ga3c-flags``, in ``--precision`` (auto: bf16 where the GPU has it) -> ``bench.log``,
    ``bench.json`` (a ``bench.json`` left from an earlier call is removed first);
 3. ``train``: ``main.py`` on ``--env`` in the faster mode of ``bench.json`` (or ``--mode`` when given; without a
-   benchmark, GA3C mode on a GPU, 2.57x A3G mode on an H200 in docs/performance.md, and A3G mode on the CPU), into
+   benchmark, GA3C mode on a GPU, 2.57x A3G mode on an H200 in docs/performance.md, and A3G mode on the CPU; A3G
+   mode where this call's benchmark measured no ratio, GA3C mode having failed there), into
    ``--run-dir``, for ``--train-seconds`` or whatever the budget leaves; with ``--load`` it resumes the run there
    (a later call on the same machine: ``--run-dir`` is outside ``OUT``, which gets only the files below), in the
    mode it chose before (``--run-dir``'s ``gpu_session_mode``), whatever a new benchmark says. It copies the
-   ``.dat`` and the monitor CSV written by this stage into ``OUT/train/`` (emptied first); the run's output is
-   ``train.log``.
+   ``.dat`` and the monitor CSV written by this stage into ``OUT/train/`` (emptied first) every 30 s while it
+   runs and at its end, so that a kill -9 of this script loses at most 30 s of them; the run's output is
+   ``train.log``. (Its ``.ckpt``, about 39 MB at hidden size 512, stays in ``--run-dir``.)
 
 The stages share ``--budget-seconds``: each is given what it needs at most (the tests 150 s, the benchmark
 2 x (warmup + window) + 150 s) and no more than leaves the stages after it their minimum (the benchmark 100 s,
-training 60 s); training gets the rest, less 75 s for its start-up and final save. A stage that runs past its time
+training 60 s); training gets the rest, less 40 s for its start-up and final save. A stage that runs past its time
 is sent SIGTERM (main.py then writes its final checkpoint and ``.dat``), and SIGKILL 30 s later, with every process
-it started; a stage given no time is skipped. A stage that fails is recorded and the next one still runs. A stop
+it started; a stage given no time is skipped. A stage that fails is recorded and the next one still runs, also
+where this script's own handling of it raised (its error and traceback in the summary). The tests run with
+``-v`` and, where pytest-timeout is installed, 60 s a test, so that one test that hangs fails alone. A stop
 signal to this script (SIGTERM, as when the device call's time limit comes before ``--budget-seconds``, SIGHUP,
 Ctrl-C) stops the stage in progress the same way at once, copies what the train stage wrote, writes the summary
 and exits with 128 + the signal; nothing is left running. ``--budget-seconds`` should still fit the call's limit.
 ``OUT`` gets at most 7 files: small enough to copy back whole.
 
 ``OUT/summary.json`` records each stage's command, exit code, seconds, and the numbers that matter (steps/s of both
-modes and their ratio; the run's global steps, running time and last monitor mean); it is rewritten after each
-stage. On an H200 with 16 cores an earlier version's stages took 33 s (tests), 128 s (bench) and 246 s (train,
+modes and their ratio; the run's global steps, running time and last monitor mean); it is rewritten as each
+stage starts (``"running": true``) and after it. On an H200 with 16 cores an earlier version's stages took 33 s (tests), 128 s (bench) and 246 s (train,
 240 s of it training). The exit code is 0 when every stage ran and succeeded, 1 otherwise, 2 for bad input.
 
 On a machine that has torch but not the other packages, install them first from wheels fetched elsewhere
@@ -62,15 +66,19 @@ STAGES = ("tests", "bench", "train")
 PROG = "gpu_session.py"
 
 
-TESTS_CAP, BENCH_EXTRA, BENCH_MIN, TRAIN_MIN, TRAIN_RESERVE, KILL_GRACE = 150.0, 150.0, 100.0, 60.0, 75.0, 30.0
+TESTS_CAP, BENCH_EXTRA, BENCH_MIN, TRAIN_MIN, TRAIN_RESERVE, KILL_GRACE = 150.0, 150.0, 100.0, 60.0, 40.0, 30.0
+COPY_EVERY = 30.0  # seconds between two copies of the train stage's files into OUT while it runs
+TEST_TIMEOUT = 60  # seconds a GPU test may run (pytest-timeout) before it fails and the next one runs
 
 
-def faster_mode(bench: dict | None, on_gpu: bool = False) -> str:
+def faster_mode(bench: dict | None, on_gpu: bool = False, bench_ran: bool = False) -> str:
     """``ga3c`` when the benchmark measured GA3C mode faster than A3G mode, ``a3g`` when it did not; without a
-    benchmark, ``ga3c`` on a GPU (2.57x A3G mode on an H200, docs/performance.md) and ``a3g`` on the CPU."""
+    benchmark, ``ga3c`` on a GPU (2.57x A3G mode on an H200, docs/performance.md) and ``a3g`` on the CPU; and
+    ``a3g`` where the benchmark ran in this session and measured no ratio (GA3C mode failed there, or it was cut
+    short): training would spend the rest of the budget on what just failed."""
     ratio = bench.get("ga3c_over_a3g") if isinstance(bench, dict) else None
     if not isinstance(ratio, (int, float)):
-        return "ga3c" if on_gpu else "a3g"
+        return "a3g" if bench_ran or not on_gpu else "ga3c"
     return "ga3c" if ratio > 1.0 else "a3g"
 
 
@@ -102,20 +110,37 @@ def _on_stop_signal(signum, frame) -> None:
         raise SessionStopped(signum)
 
 
-def run_stage(name: str, cmd: list[str], log: Path, timeout: float) -> dict:
-    """Run ``cmd`` in the repository root, in a process group of its own, with its output in ``log``;
-    ``{command, exit_code, seconds}``. Past ``timeout`` the group is sent SIGTERM, then SIGKILL ``KILL_GRACE``
-    seconds later; the exit code is then 124. A stop signal to this script (``SessionStopped``) stops the stage
-    the same way at once (main.py writes its final checkpoint), adds ``stopped_by`` and raises it again."""
+def run_stage(name: str, cmd: list[str], log: Path, timeout: float, every=None) -> dict:
+    """Run ``cmd`` in the repository root, in a process group of its own (in this session, so that whatever ends
+    the session's processes ends it too), with its output in ``log``; ``{command, exit_code, seconds}``. While it
+    runs, ``every()`` is called each ``COPY_EVERY`` seconds (the train stage copies its files into OUT, so that a
+    kill -9 of this script loses at most that much). Past ``timeout`` the group is sent SIGTERM, then SIGKILL
+    ``KILL_GRACE`` seconds later; the exit code is then 124. A stop signal to this script (``SessionStopped``)
+    stops the stage the same way at once (main.py writes its final checkpoint), adds ``stopped_by`` and raises
+    it again."""
     start = time.time()
     stopped = None
     with open(log, "w") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, process_group=0)
         try:
             try:
-                code = proc.wait(timeout=timeout)
+                code = None
+                while code is None:
+                    left = start + timeout - time.time()
+                    if left <= 0:
+                        raise subprocess.TimeoutExpired(cmd, timeout)
+                    try:
+                        code = proc.wait(timeout=min(left, COPY_EVERY) if every is not None else left)
+                    except subprocess.TimeoutExpired:
+                        if every is None or time.time() - start >= timeout:
+                            raise
+                        try:
+                            every()
+                        except OSError as e:  # a full disk: the stage goes on; the final copy says more
+                            f.write(f"\n{PROG}: copying the stage's files failed: {e}\n")
+                            f.flush()
             except subprocess.TimeoutExpired:
                 f.write(f"\n{PROG}: the {name} stage ran past {timeout:.0f} s: SIGTERM\n")
                 code = 124
@@ -379,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
             left = opts.budget_seconds - (time.time() - started)
             seconds = stage_seconds(stage, stages[k + 1:], left, opts)
             print(f"{PROG}: {stage} (at most {seconds:.0f} s) ...", flush=True)
+            summary[stage] = {"running": True, "at_most_seconds": round(seconds)}  # what a kill -9 leaves
+            save()
+            stage_start = time.time()
             try:
                 res = run_one(stage, opts, out, py, seconds)
             except SessionStopped as e:
@@ -388,6 +416,15 @@ def main(argv: list[str] | None = None) -> int:
                     summary[stage].update(collect_train(opts, out, started_at=time.time() - summary[stage].get(
                         "seconds", 0.0)))
                 raise
+            except Exception as e:  # noqa: BLE001 -- recorded; the later stages still run
+                import traceback
+                res = {"exit_code": 1, "seconds": round(time.time() - stage_start, 1),
+                       "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                if stage == "train":
+                    try:
+                        res.update(collect_train(opts, out, started_at=stage_start))
+                    except Exception as again:  # noqa: BLE001
+                        res["collect_error"] = f"{type(again).__name__}: {again}"
             summary[stage] = res
             save()
             print(f"{PROG}: {stage} exit {res['exit_code']} in {res['seconds']:.0f} s", flush=True)
@@ -406,7 +443,11 @@ def run_one(stage: str, opts, out: Path, py: str, seconds: float) -> dict:
     skipped (exit code 1)."""
     gpus = [str(g) for g in opts.gpu_ids]
     if stage == "tests":
-        cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+        import importlib.util
+        # each test named as it runs, and one that hangs failed after TEST_TIMEOUT s (where pytest-timeout is
+        # there), so that the stage's cap never cuts the log short of the later tests and the counts
+        timeout = ["--timeout", str(TEST_TIMEOUT)] if importlib.util.find_spec("pytest_timeout") else []
+        cmd = [py, "-m", "pytest", "-v", "-rs", *timeout, "-p", "no:cacheprovider", "tests/test_gpu.py"]
         if seconds <= 0:
             return {"command": shlex.join(cmd), "exit_code": 1, "seconds": 0.0, "skipped": "the budget left no time"}
         res = run_stage(stage, cmd, out / "tests.log", seconds)
@@ -436,7 +477,7 @@ def run_one(stage: str, opts, out: Path, py: str, seconds: float) -> dict:
         bench = None
     run_dir = run_path(opts.run_dir)
     resumed = saved_mode(run_dir) if opts.load else None
-    mode = opts.mode or resumed or faster_mode(bench, any(g >= 0 for g in opts.gpu_ids))
+    mode = opts.mode or resumed or faster_mode(bench, any(g >= 0 for g in opts.gpu_ids), "bench" in opts.stages)
     train_seconds = min(opts.train_seconds or float("inf"), seconds - TRAIN_RESERVE)
     cmd = [py, "main.py", *stage_commands(opts)[mode], "--max-seconds", f"{max(train_seconds, 1):.0f}"] + (
         ["--load"] if opts.load else [])
@@ -448,7 +489,8 @@ def run_one(stage: str, opts, out: Path, py: str, seconds: float) -> dict:
     (run_dir / MODE_FILE).write_text(mode + "\n")
     stage_start = time.time()
     try:
-        res = run_stage(stage, cmd, out / "train.log", train_seconds + TRAIN_RESERVE)
+        res = run_stage(stage, cmd, out / "train.log", train_seconds + TRAIN_RESERVE,
+                        every=lambda: collect_train(opts, out, started_at=stage_start))
     except SessionStopped as e:
         e.result = {**getattr(e, "result", {}), "mode": mode}
         raise

@@ -190,6 +190,28 @@ def test_benchmark_measures_dynamic_and_counts_its_retired_agents_as_expected(tm
     assert "--dynamic at" in proc.stdout and "--dynamic ran NT 1 NP 1 NA" in proc.stdout
 
 
+@pytest.mark.slow  # about 30 s: both modes, the second failing
+def test_a_mode_that_fails_keeps_the_other_modes_figures_and_says_why(tmp_path):
+    """The GA3C server's trainer raises at its second optimizer step (a CUDA error on a GPU would do the same):
+    exit 1, and the JSON still holds A3G mode's figures, with GA3C mode's error and what its server reported.
+    Before, the JSON was written only at the end (nothing was kept) and the server's report was not read."""
+    from test_faults import fault_env
+    out = tmp_path / "bench.json"
+    env = {**fault_env("short_error", tmp_path / "fired"), "A3G_FAULT_ROLE": "a3g ga3c server"}
+    proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--modes-only", "--warmup", "2", "--window", "4",
+                     "--json", str(out), "--ga3c-flags", "--agents 1 --envs-per-agent 2 --num-steps 5 --train-batch 1 "
+                     "--hidden-size 32 --trainers 1", cwd=tmp_path, timeout=280, env_extra=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "fired").exists()  # the fault fired, in the server
+    res = json.loads(out.read_text())
+    assert res["training"]["steps_per_s"] > 0 and "ga3c_over_a3g" not in res
+    assert res["ga3c"]["error"] in ("ga3c server died during the benchmark",
+                                    "the training processes did not start stepping"), res["ga3c"]
+    assert "injected fault: a short error" in res["ga3c"]["reports"]
+    assert "benchmark.py: error: GA3C mode: " in proc.stderr and "injected fault" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("failed:")[0]  # the reports hold the server's traceback, not ours
+
+
 def test_the_step_budget_runs_and_its_ceilings_follow_from_its_pieces(tmp_path):
     out = tmp_path / "budget.json"
     proc = run_entry("benchmarks/budget.py", "--envs", "3", "--train-batch", "2", "--num-steps", "3", "--repeats",
