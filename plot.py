@@ -1,4 +1,4 @@
-"""Learning curves from the monitor's CSV: score against global steps and against wall time, with a rolling mean.
+"""Learning curves from the monitor's CSV: score against global steps and against running time, with a rolling mean.
 
     python plot.py logs/PongNoFrameskip-v4
     python plot.py logs/ --out runs/all.png
@@ -293,12 +293,15 @@ def thin_games(curve: dict, every_steps: int) -> dict:
 
 
 def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each game's last ``window`` games, NaN (not drawn) before the first full window: the curve and
+    the time-to-score table read the same means (a mean of the first few games alone drew a trained run's first
+    games as above a level the table said it reached much later)."""
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
         if i >= window:
             total -= values[i - window]
-        out.append(total / min(i + 1, window))
+        out.append(total / window if i + 1 >= window else math.nan)
     return out
 
 
@@ -367,8 +370,11 @@ def format_median(m) -> str:
     return f"{one(s_lo, s_hi, lambda v: f'{v / 1e3:,.0f}k')} / {one(t_lo, t_hi, lambda v: f'{v / 60:.0f}')} min"
 
 
-def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: int) -> str:
-    """The table ``plot.py`` prints: one row per run and the median row (see the module docstring)."""
+def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: int,
+                        games: list[str] | None = None) -> str:
+    """The table ``plot.py`` prints: one row per run and the median row (see the module docstring). ``games``:
+    the env ids the runs are known to play (their monitor CSVs' names); of more than one, there is no median
+    row, but a line that says why (a median over Pong and Breakout runs means nothing)."""
     rows = [(name, first_reached(c["score"], c["steps"], [h * 3600 for h in c["hours"]], levels, window))
             for name, c in named_curves]
     last_games = [(c["steps"][-1], c["hours"][-1] * 3600) for _, c in named_curves]
@@ -381,10 +387,23 @@ def time_to_score_table(named_curves: list[tuple[str, dict]], levels, window: in
              f"slower than its last game, so the median can be a range):", head]
     for name, r in rows:
         lines.append(f"{name:{width}s}" + "".join(f"{format_reached(r[level]):>{cell}s}" for level in levels))
-    if len(rows) > 1:
+    if len(rows) > 1 and len(set(games or [])) > 1:
+        lines.append(f"no median row: the runs play {len(set(games))} games ({', '.join(sorted(set(games)))}); "
+                     f"give one game's runs for their median")
+    elif len(rows) > 1:
         lines.append(f"{f'median of {len(rows)}':{width}s}" + "".join(f"{format_median(med[level]):>{cell}s}"
                                                                      for level in levels))
     return "\n".join(lines)
+
+
+ENV_NAME = re.compile(r"^(?:ALE_)?([A-Z][A-Za-z]*?)(?:NoFrameskip)?-v\d+$")  # main.py's <env>_monitor.csv names
+
+
+def game_of(name: str) -> str | None:
+    """The game of a monitor CSV named by main.py (``PongNoFrameskip-v4`` -> ``Pong``, ``ALE_Pong-v5`` -> ``Pong``);
+    None for a name that is no env id (a copy renamed for results/, ``pong_seed1``): its game is not known."""
+    m = ENV_NAME.match(name)
+    return m[1] if m else None
 
 
 def label_for(path: Path) -> tuple[str, str]:
@@ -439,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the time-to-score table only; draw nothing")
     args = p.parse_args(argv)
     paths, errors = find_csvs(args.inputs)
-    if args.labels is not None and len(args.labels) != len(paths):
+    if args.labels is not None and len(args.labels) != len(paths) and not errors:  # a missing input: its own line
         errors.append(f"--labels names {len(args.labels)} curve(s) but the inputs hold {len(paths)}: give one "
                       f"label per run (a monitor CSV, or pieces joined with +)")
     if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -518,7 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run)
         pieces = f" ({len(path)} pieces)" if len(path) > 1 else ""
         labels.append(args.labels[k] if args.labels else (run if len(curves) > 1 else env) + pieces)
-    print(time_to_score_table(list(zip(labels, [c for _, c in curves])), args.levels, args.window), flush=True)
+    games = [g for g in (game_of(env) for (path, _), (env, _) in zip(curves, names)
+                         if path[0].name.endswith("_monitor.csv")) if g is not None]
+    print(time_to_score_table(list(zip(labels, [c for _, c in curves])), args.levels, args.window, games),
+          flush=True)
     if not args.figure:
         return 0
 
@@ -530,10 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     for (path, c), label, (color, style) in zip(curves, labels, curve_styles(len(curves))):
         smooth = rolling_mean(c["score"], args.window)
         for ax, x in ((ax_steps, [s / 1e6 for s in c["steps"]]), (ax_time, c["hours"])):
-            ax.plot(x, smooth, color=color, linestyle=style, label=f"{label} (mean of {args.window})")
+            # matplotlib leaves out of the legend a label that begins with "_": a zero-width space keeps it
+            shown_label = ("\u200b" if label.startswith("_") else "") + f"{label} (mean of {args.window})"
+            ax.plot(x, smooth, color=color, linestyle=style, label=shown_label)
             ax.scatter(x, c["score"], s=6, alpha=0.3, color=color)
     ax_steps.set_xlabel("global agent steps (millions)")
-    ax_time.set_xlabel("wall time (hours)")
+    ax_time.set_xlabel("running time (hours)")  # the monitor's, as the table's minutes (module docstring)
     ax_steps.set_ylabel("monitor game score")
     for ax in (ax_steps, ax_time):
         ax.grid(alpha=0.3)
@@ -562,3 +586,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the table piped into a reader that stopped early (head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

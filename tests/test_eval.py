@@ -1048,6 +1048,52 @@ def test_plot_prints_the_time_to_score_table_for_each_run_and_the_median(tmp_pat
     assert not list(tmp_path.rglob("*.png"))
 
 
+def test_plot_draws_full_windows_only_and_gives_no_median_over_two_games(tmp_path, monkeypatch, capsys):
+    """The drawn mean starts at the first full window, as the table's does (before, a trained run's first game
+    alone drew a mean the table said came much later); runs of two games get a line instead of a median (before,
+    a median over Pong and Breakout runs); a label that begins with "_" stays in the legend; a missing input is
+    one error line, not a second one about --labels."""
+    import plot
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    for name, env in (("a", "PongNoFrameskip-v4"), ("_b", "BreakoutNoFrameskip-v4")):
+        (tmp_path / name).mkdir()
+        rows = [f"0,{60 * (i + 1)},{1000 * (i + 1)},{s},100,1,0,\n" for i, s in enumerate([20, 0, 10, 2])]
+        (tmp_path / name / f"{env}_monitor.csv").write_text(header + "".join(rows))
+    assert plot.rolling_mean([20.0, 0.0, 10.0, 2.0], 2)[1:] == [10.0, 5.0, 6.0]
+    assert math.isnan(plot.rolling_mean([20.0, 0.0, 10.0, 2.0], 2)[0])
+    legends = []
+    import matplotlib.axes
+    real_legend = matplotlib.axes.Axes.legend
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", lambda self, *a, **k: legends.append(
+        [t.get_text() for t in real_legend(self, *a, **k).get_texts()]))
+    assert plot.main([str(tmp_path / "a"), str(tmp_path / "_b"), "--window", "2", "--levels", "5",
+                      "--out", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "no median row: the runs play 2 games (Breakout, Pong); give one game's runs for their median" in out
+    assert not [line for line in out.splitlines() if line.startswith("median of")]
+    assert plot.game_of("ALE_Pong-v5") == plot.game_of("PongNoFrameskip-v4") == plot.game_of("Pong-v0") == "Pong"
+    assert plot.game_of("pong_ga3c_bf16_seed1") is None  # results/ copies: game unknown, medians as before
+    assert legends == [["a (mean of 2)", "\u200b_b (mean of 2)"]]
+    (tmp_path / "a" / "PongNoFrameskip-v4_monitor.csv").rename(tmp_path / "a" / "x.csv")
+    assert plot.main([str(tmp_path / "a" / "PongNoFrameskip-v4_monitor.csv"), str(tmp_path / "_b"),
+                      "--labels", "one", "two", "--no-figure"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("plot.py: error:") == 1 and "--labels" not in err, err
+
+
+def test_plot_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """``plot.py ... --no-figure | head -1``: the table's writes meet a closed pipe; no traceback, exit 0."""
+    import subprocess
+    import sys
+    header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
+    (tmp_path / "PongNoFrameskip-v4_monitor.csv").write_text(header + "0,60,1000,-21,100,1,0,\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "plot.py"), str(tmp_path), "--no-figure"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
 def test_plot_names_runs_whose_folders_and_files_both_repeat_by_where_their_paths_part(tmp_path, monkeypatch):
     import plot
     header = "wall_time,elapsed_s,global_steps,score,length,steps_per_s,reward_mean,window_mean\n"
