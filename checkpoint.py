@@ -465,7 +465,10 @@ def check_state_dict(sd: dict, num_actions: int, hidden_size: int, path: str | P
             if key.startswith("actor_linear"):
                 hint = f" ({env_id} has {num_actions} actions)"
             elif key.startswith(("lstm", "critic", "actor")):
-                hint = f" (check --hidden-size, now {hidden_size})"
+                saved = tuple(sd["lstm.weight_hh"].shape) if "lstm.weight_hh" in sd else ()
+                hint = (f" (the file's hidden size is {saved[1]}: pass --hidden-size {saved[1]}, now {hidden_size})"
+                        if len(saved) == 2 and saved[0] == 4 * saved[1] else
+                        f" (check --hidden-size, now {hidden_size})")
             raise ModelFileError(f"model file {path} does not fit {env_id}: {key} has shape {got} in the file, "
                                  f"the model needs {shape}{hint}")
     not_finite = [k for k in want if not bool(torch.isfinite(sd[k]).all())]

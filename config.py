@@ -136,7 +136,8 @@ class TrainParser(Parser):
         ns, rest = super().parse_known_args(args, namespace)  # --help and usage errors exit here
         # once more with a marker for the defaults of the flags that belong to one mode: which of them were given
         # and of the flags refused where they would change nothing
-        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps", "sync_seconds", "merge", "amsgrad")
+        watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps", "sync_seconds", "merge", "amsgrad",
+                                                      "num_steps")
         defaults = {d: self.get_default(d) for d in watched}
         self.set_defaults(**dict.fromkeys(watched, _NOT_GIVEN))
         try:
@@ -397,7 +398,9 @@ def validate_common(args: argparse.Namespace) -> list[str]:
             errors.append(f"env config '{args.env_config}' is not valid: {e}")
     if not 0 <= args.seed < SEED_LIMIT:
         errors.append(f"--seed must be between 0 and {SEED_LIMIT - 1}, got {args.seed}")
-    for name, low in (("max_episode_length", 1), ("skip_rate", 1), ("hidden_size", 1)):
+    # a game's first agent steps are the reset's FIRE and action 2 (where the game has FIRE): a time limit of 1 or 2
+    # ends every game before the agent acts, and every score is 0 (as --short-game-length's bound)
+    for name, low in (("max_episode_length", 3), ("skip_rate", 1), ("hidden_size", 1)):
         if getattr(args, name) < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     errors += size_problems(args, ("hidden_size",))
@@ -507,6 +510,14 @@ def validate(args: argparse.Namespace) -> list[str]:
         args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
+    dss = args.distributed_step_size
+    if dss and isinstance(args.workers, int) and len(dss) > args.workers >= 1:  # worker r takes value r % len
+        errors.append(f"--distributed-step-size gives {len(dss)} values for {args.workers} worker(s): worker r takes "
+                      f"value r, so only the first {args.workers} would be used: give at most {args.workers}, or "
+                      f"more --workers")
+    if dss and "num_steps" in getattr(args, "_given", ()) and args.num_steps >= 1 and min(dss) >= 1:  # else: own line
+        errors.append("--num-steps changes nothing with --distributed-step-size, which gives every worker its rollout "
+                      "length: leave one of them out")
     errors += validate_ga3c(args)
     if not errors:  # every size below is valid
         errors += memory_problems(args)
@@ -829,8 +840,8 @@ def short_game_problems(args: argparse.Namespace) -> list[str]:
         errors.append(f"--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), got {length}")
     if args.mode != "ga3c" or k < 0 or g < 0 or k + g == 0:
         return errors
-    if (k > 0 and length >= 3 and isinstance(args.max_episode_length, int) and args.max_episode_length >= 1
-            and length >= args.max_episode_length):  # a max below 1: its own line
+    if (k > 0 and length >= 3 and isinstance(args.max_episode_length, int) and args.max_episode_length >= 3
+            and length >= args.max_episode_length):  # a max below 3: its own line
         errors.append(f"--short-game-length {length} must be below --max-episode-length {args.max_episode_length}, "
                       f"or the short games are not shorter")
     if args.agents < 1 or args.envs_per_agent < 1:

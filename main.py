@@ -171,9 +171,20 @@ def monitor_csv_is_the_checkpoints(scores: list[float], ckpt: dict, log_dir: str
 
 
 def resume_problems(ckpt: dict, path: Path, args: Namespace, n_actions: int) -> list[str]:
-    """Why the checkpoint at ``path`` cannot be resumed with these flags, found before anything is written: its
-    optimizer statistics, where this run would load them, do not fit the model."""
+    """Why the checkpoint at ``path`` cannot be resumed with these flags, found before anything is written: it was
+    trained on another game than ``--env``'s (another id of the same game is a resume like any), or its optimizer
+    statistics, where this run would load them, do not fit the model."""
     errors = []
+    saved_env = ckpt.get("env") or (ckpt.get("config") or {}).get("env")
+    if isinstance(saved_env, str) and saved_env != args.env:
+        from environment import EnvIdError, resolve_env_id
+        try:
+            was, now = resolve_env_id(saved_env).game, resolve_env_id(args.env).game
+        except EnvIdError:
+            was = now = None
+        if was is not None and was != now:  # its weights, Adam's statistics, steps and monitor games are another game's
+            errors.append(f"--load: {path} was trained on {saved_env} ({was}), and --env {args.env} is {now}: pass "
+                          f"--env {saved_env} to go on with it, or --load-model-dir with a {now} run's folder")
     opt_state = ckpt.get("optimizer")
     if args.shared_optimizer and opt_state is not None and ckpt.get("optimizer_name") == args.optimizer:
         probe = make_optimizer(args.optimizer, A3Clstm(1, n_actions, args.hidden_size).parameters(), args.lr,
@@ -201,11 +212,13 @@ def target_met_line(ckpt: dict, args: Namespace) -> str:
 BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
 
 
-def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
+def resume_command(argv: list[str], args: Namespace, reason: str, steps: int = 0) -> str:
     """The command that continues this run: its own flags without any ``--load``/``--load-model-dir`` (so it
-    resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with twice
-    that budget; after ``--target-score`` was reached, without it (the restored games already meet it) and without
-    ``--confirm-every-steps``, which is refused without a target."""
+    resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with a budget
+    of twice that or of ``steps`` (the global steps it stopped at, a little past it) plus that, whichever is more
+    (twice a small budget can be below where the run stopped, which ``--load`` refuses); after ``--target-score``
+    was reached, without it (the restored games already meet it) and without ``--confirm-every-steps``, which is
+    refused without a target."""
     reached = reason.startswith("reached --max-steps")
     target = reason.startswith("reached --target-score")
     out, i = [], 0
@@ -222,7 +235,7 @@ def resume_command(argv: list[str], args: Namespace, reason: str) -> str:
         out.append(a)
         i += 1
     if reached:
-        out += ["--max-steps", str(2 * args.max_steps)]
+        out += ["--max-steps", str(max(2 * args.max_steps, steps + args.max_steps))]
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("main.py") else "main.py"
     return shlex.join(["python", script, *out, "--load"])
 
@@ -286,6 +299,34 @@ def mode_change_line(saved_config: dict, args: Namespace) -> str:
     how = {"a3g": " (--mode a3g goes on in A3G mode)", "ray": " (--ray-address ADDRESS goes on on Ray)"}
     return (f"the checkpoint was trained in {names[was_mode]}; this run goes on in {names[now_mode]}"
             + (how.get(was_mode, "") if now_mode == "ga3c" else ""))
+
+
+# the update's and the games' settings a resume takes from its command line like any run (the defaults where not
+# given), said in one line where they are not the checkpoint's; the lines above say the others (the mode, the
+# learning rate and Adam's, the schedules, GA3C's batch, passes and slots, the envs, the frames, the precision)
+TRAINING_FLAGS = ("num_steps", "gamma", "tau", "entropy_coef", "value_coef", "max_grad_norm", "is_clip",
+                  "max_episode_length", "skip_rate", "env_config", "distributed_step_size", "replay_activations",
+                  "sync_every", "ema_steps", "score_window")
+
+
+def training_flags_change_line(saved_config: dict, args: Namespace) -> str:
+    """The line that names each of ``TRAINING_FLAGS`` whose value differs from the resumed checkpoint's saved
+    ``config`` (a flag it has no record of is not named); "" when none does. Before, a resume without the first
+    command's flags went back to the defaults without a word (--max-grad-norm 40 -> 0 turned clipping off)."""
+    changed = []
+    for k in TRAINING_FLAGS:
+        if k not in saved_config:
+            continue
+        was, now = saved_config[k], getattr(args, k)
+        now = list(now) if isinstance(now, tuple) else now
+        if was != now:
+            def show(v):
+                return "none" if v is None or v == [] else " ".join(map(str, v)) if isinstance(v, list) else f"{v}"
+            changed.append(f"--{k.replace('_', '-')} {show(was)} -> {show(now)}")
+    if not changed:
+        return ""
+    return ("the command line changes the checkpoint's " + ", ".join(changed)
+            + " (pass the checkpoint's values to keep them: the resume line its run printed has them)")
 
 
 def train_envs_change_line(saved_config: dict, args: Namespace) -> str:
@@ -452,8 +493,10 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
         if args.max_steps and done >= args.max_steps:
             limit = (f"the end of --lr-anneal-steps {args.lr_anneal_steps:,}" if args.max_steps == args.lr_anneal_steps
                      else f"--max-steps {args.max_steps:,}")
-            fail([f"--load: {resume_path} is at {done:,} global steps, already at {limit}: pass a larger "
-                  f"{'--lr-anneal-steps' if 'anneal' in limit else '--max-steps (0: no limit)'} to train on"])
+            more = ("--lr-anneal-steps (and --max-steps, where given: a run stops at the end of its schedule)"
+                    if "anneal" in limit else "--max-steps (0: no limit)")
+            fail([f"--load: {resume_path} is at {done:,} global steps, already at {limit}: pass a larger {more} to "
+                  f"train on"])
         if resume_ckpt is not None:
             fail(resume_problems(resume_ckpt, resume_path, args, n_actions))
     same_dir = Path(args.load_model_dir).resolve() == Path(args.save_model_dir).resolve()
@@ -479,10 +522,12 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
     results = results_txt(args)
     results_games = results_lines(results) if results is not None else 0
     if results_games and not (args.load and same_dir):
+        how = (f"this run resumes from --load-model-dir {args.load_model_dir} into another --save-model-dir, so pass "
+               f"--log-dir DIR with another folder" if args.load else
+               "to continue that run, pass --load (with its --save-model-dir); to start afresh, pass --log-dir DIR "
+               "with another folder")
         problems.append(f"{results} holds {results_games} game(s) of an earlier GA3C run (of this env or another), "
-                        f"and this run would add its own to them: to continue that run, pass --load (with its "
-                        f"--save-model-dir); to start afresh, pass --log-dir DIR with another folder (or move the "
-                        f"file away)")
+                        f"and this run would add its own to them: {how} (or move the file away)")
     existing = [p for p in (model_path(args.save_model_dir, args.env), checkpoint_path(args.save_model_dir, args.env))
                 if p.exists()]
     folders = [p for p in existing if p.is_dir()]
@@ -490,7 +535,12 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
         problems.append(f"{folders[0]} is a folder where this run would write its model file: move it away, or "
                         f"pass --save-model-dir DIR with another folder")
     elif not (args.load and same_dir):
-        if existing:
+        if existing and args.load:  # from --load-model-dir into a --save-model-dir that holds another model
+            problems.append(f"{existing[0]} exists and this run, which resumes from --load-model-dir "
+                            f"{args.load_model_dir}, would overwrite it: leave out --load-model-dir to go on with the "
+                            f"run in --save-model-dir {args.save_model_dir}, or pass --save-model-dir DIR with another "
+                            f"folder")
+        elif existing:
             problems.append(f"{existing[0]} exists and this run would overwrite it: to continue training from it, pass "
                             f"--load (it resumes from --save-model-dir {args.save_model_dir}); to start afresh, pass "
                             f"--save-model-dir DIR with another folder")
@@ -639,7 +689,7 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
                      train_passes_change_line(saved_config, args), slots_change_line(saved_config, args),
                      train_envs_change_line(saved_config, args), see_skipped_change_line(saved_config, args),
-                     target_met_line(resume_ckpt, args)):
+                     training_flags_change_line(saved_config, args), target_met_line(resume_ckpt, args)):
             if line:
                 log.info(line)
         was = saved_config.get("compute_precision", "fp32")
@@ -767,10 +817,10 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
                  f"{elapsed:.0f} s; {ckpt_note}")
         if reason.startswith("reached the end of --lr-anneal-steps"):
-            log.info("to train on, resume (--load) with a larger --lr-anneal-steps: the learning rate goes on from "
-                     "where that schedule puts it")
+            log.info("to train on, resume (--load) with a larger --lr-anneal-steps (and a larger --max-steps, where "
+                     "given): the learning rate goes on from where that schedule puts it")
         elif checkpoint_path(args.save_model_dir, args.env).is_file():
-            log.info(f"resume with: {resume_command(argv, args, reason)}")
+            log.info(f"resume with: {resume_command(argv, args, reason, run.global_steps.value)}")
         if tb is not None:
             failed(attempt(tb.close, log))
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -273,6 +273,22 @@ def test_train_passes_are_checked(argv, want):
 
 
 @pytest.mark.parametrize("argv, want", [
+    (["--mode", "a3g", "--workers", "2", "--distributed-step-size", "5", "9", "13"],
+     ["--distributed-step-size gives 3 values for 2 worker(s): worker r takes value r, so only the first 2 would be "
+      "used: give at most 2, or more --workers"]),
+    (["--mode", "a3g", "--workers", "2", "--distributed-step-size", "5", "9", "--num-steps", "7"],
+     ["--num-steps changes nothing with --distributed-step-size, which gives every worker its rollout length: leave "
+      "one of them out"]),
+    (["--mode", "a3g", "--workers", "3", "--distributed-step-size", "5", "9"], []),
+    (["--max-episode-length", "2"], ["--max-episode-length must be >= 3, got 2"]),
+    (["--max-episode-length", "3"], [])])
+def test_rollout_and_game_lengths_that_would_not_do_what_they_say_are_refused(argv, want):
+    """Values past the workers of --distributed-step-size, and --num-steps beside it, were accepted and never used;
+    a time limit of 1 or 2 agent steps ended every game before the agent acted (the reset's FIRE and action 2)."""
+    assert validate(parse(*argv)) == want
+
+
+@pytest.mark.parametrize("argv, want", [
     (["--pass-clip", "0.3"], ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; "
                               "give those too, or leave it out"]),
     (["--short-game-length", "50"], ["--short-game-length changes nothing here: it is the cut of --short-game-slots "
@@ -290,7 +306,7 @@ def test_train_passes_are_checked(argv, want):
       "too, or leave it out"]),
     # a value that is wrong in itself gets its own line only
     (["--dynamic-seconds", "0"], ["--dynamic-seconds must be > 0, got 0"]),
-    (["--short-game-slots", "1", "--max-episode-length", "0"], ["--max-episode-length must be >= 1, got 0"]),
+    (["--short-game-slots", "1", "--max-episode-length", "0"], ["--max-episode-length must be >= 3, got 0"]),
     (["--train-passes", "2", "--is-clip", "inf"], ["--is-clip must be a finite number, got inf"]),
     (["--mode", "a3g", "--pass-clip", "0.3"], ["--pass-clip: only GA3C mode has it"])])
 def test_a_ga3c_flag_that_would_change_nothing_is_refused(argv, want):

@@ -320,7 +320,9 @@ def test_a_folder_where_the_checkpoint_would_be_is_refused_on_a_resume_into_the_
 
 @pytest.mark.parametrize("extra, limit", [(["--max-steps", "400"], "--max-steps 400: pass a larger --max-steps (0: no limit)"),
                                           (["--lr-anneal-steps", "500"], "the end of --lr-anneal-steps 500: pass a "
-                                                                         "larger --lr-anneal-steps")])
+                                                                         "larger --lr-anneal-steps (and --max-steps, "
+                                                                         "where given: a run stops at the end of its "
+                                                                         "schedule)")])
 def test_a_resume_already_at_its_step_limit_is_refused(tmp_path, models, extra, limit):
     """A checkpoint at or past the run's last step: one line and nothing written, not a run that stops at once
     and rewrites the checkpoint."""
@@ -364,6 +366,22 @@ def test_an_existing_model_is_never_overwritten_by_a_new_run(tmp_path, models):
     dat.write_bytes(b"a trained model")
     (line,) = bad(tmp_path)
     assert "PongNoFrameskip-v4.dat exists and this run would overwrite it: to continue training from it, pass --load" in line
+    assert dat.read_bytes() == b"a trained model"
+
+
+def test_a_resume_from_another_folder_onto_a_model_says_which_flag_to_drop(tmp_path, models):
+    """``--load --load-model-dir A`` into a --save-model-dir that holds a model: --load is given already, so the
+    line says to leave out --load-model-dir or pick another --save-model-dir (before: "pass --load")."""
+    from model import A3Clstm
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save(A3Clstm(1, 6, 512).state_dict(), other / "PongNoFrameskip-v4.dat")
+    dat = models / "PongNoFrameskip-v4.dat"
+    dat.write_bytes(b"a trained model")
+    (line,) = bad(tmp_path, "--load", "--load-model-dir", str(other))
+    assert line == (f"main.py: error: {dat} exists and this run, which resumes from --load-model-dir {other}, would "
+                    f"overwrite it: leave out --load-model-dir to go on with the run in --save-model-dir {models}, or "
+                    f"pass --save-model-dir DIR with another folder"), line
     assert dat.read_bytes() == b"a trained model"
 
 
@@ -906,6 +924,58 @@ def test_the_resume_command_after_a_target_stop_leaves_out_the_confirming_cadenc
     assert resumed == ["--env", "PongNoFrameskip-v4", "--score-window", "5", "--load"]
     assert validate(build_parser().parse_args(resumed)) == []
     assert "--confirm-every-steps" in resume_command(argv, args, "reached --max-steps 100")  # kept on other stops
+
+
+def test_a_resume_names_every_training_flag_its_command_line_changes():
+    """A resume takes the update's settings from its command line (the defaults where not given): each one that is
+    not the checkpoint's is named in one line. Before, only the learning rate was: a resume without the first
+    command's flags went back to --gamma 0.99 and --max-grad-norm 0 (no clipping) without a word."""
+    from config import build_parser, validate
+    from main import training_flags_change_line
+    args = build_parser().parse_args(["--mode", "a3g", "--workers", "2", "--distributed-step-size", "5", "9"])
+    assert validate(args) == []
+    saved = {"num_steps": 20, "gamma": 0.95, "tau": 1.0, "max_grad_norm": 40.0, "distributed_step_size": None,
+             "env_config": args.env_config}
+    assert training_flags_change_line(saved, args) == (
+        "the command line changes the checkpoint's --gamma 0.95 -> 0.99, --max-grad-norm 40.0 -> 0.0, "
+        "--distributed-step-size none -> 5 9 (pass the checkpoint's values to keep them: the resume line its run "
+        "printed has them)")
+    assert training_flags_change_line({"gamma": 0.99, "tau": 1.0}, args) == ""  # the same: no line
+    assert training_flags_change_line({}, args) == ""  # a checkpoint that has no record of them
+
+
+def test_the_resume_command_after_a_step_limit_goes_past_where_the_run_stopped():
+    """A GA3C run with --max-steps 5 stops at 21 steps (a batch finishes): "twice the budget", 10, was refused by
+    the --load it was printed for. The budget is now past the steps the run reached."""
+    from config import build_parser
+    from main import resume_command
+    argv = ["--env", "PongNoFrameskip-v4", "--max-steps", "5"]
+    args = build_parser().parse_args(argv)
+    assert shlex.split(resume_command(argv, args, "reached --max-steps 5", steps=21))[-3:] == ["--max-steps", "26",
+                                                                                                "--load"]
+    assert shlex.split(resume_command(argv, args, "reached --max-steps 5", steps=6))[-3:-1] == ["--max-steps", "11"]
+
+
+def test_a_checkpoint_of_another_game_is_refused_and_another_id_of_the_same_game_is_not(tmp_path):
+    """A SpaceInvaders run's --load of a Pong checkpoint (both have 6 actions) went on with Pong's weights, Adam
+    statistics, steps and monitor games, with a line about --train-envs, which was not given."""
+    from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION
+    from config import build_parser, validate
+    from main import resume_problems
+    ckpt = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "env": "PongNoFrameskip-v4",
+            "model": {}, "optimizer": None, "global_steps": 500}
+    path = tmp_path / "SpaceInvadersNoFrameskip-v4.ckpt"
+    for env, refused in (("SpaceInvadersNoFrameskip-v4", True), ("Pong-v0", False), ("ALE/Pong-v5", False)):
+        args = build_parser().parse_args(["--env", env, "--log-dir", str(tmp_path / "l"), "--save-model-dir",
+                                          str(tmp_path / "m")])
+        assert validate(args) == []
+        problems = resume_problems(ckpt, path, args, 6)
+        assert bool(problems) == refused, (env, problems)
+    assert problems == [] and resume_problems(ckpt, path, build_parser().parse_args(
+        ["--env", "SpaceInvadersNoFrameskip-v4"]), 6) == [
+        f"--load: {path} was trained on PongNoFrameskip-v4 (Pong), and --env SpaceInvadersNoFrameskip-v4 is "
+        f"SpaceInvaders: pass --env PongNoFrameskip-v4 to go on with it, or --load-model-dir with a SpaceInvaders "
+        f"run's folder"]
 
 
 def test_a_load_of_a_bare_model_file_is_refused_where_the_log_folder_has_its_runs_games(tmp_path):

@@ -27,6 +27,14 @@ def test_hidden_size_flag_changes_shapes():
     assert {k: tuple(v.shape) for k, v in sd.items()} == expected_shapes(4, 256)
 
 
+def test_a_file_of_another_hidden_size_names_the_flag_that_loads_it(tmp_path):
+    """The error names the file's hidden size, read from its LSTM (before: "check --hidden-size, now 64")."""
+    from checkpoint import ModelFileError, check_state_dict
+    with pytest.raises(ModelFileError) as e:
+        check_state_dict(A3Clstm(1, 6, 32).state_dict(), 6, 64, tmp_path / "m.dat", "PongNoFrameskip-v4")
+    assert str(e.value).endswith("(the file's hidden size is 32: pass --hidden-size 32, now 64)")
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_output_shapes(batch):
     m = A3Clstm(1, 6)

@@ -227,7 +227,7 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early), from
     # the command line's --lr; the checkpoint kept the unannealed 0.001, so the log names that as the change
     out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--lr", "0.002", "--max-steps", str(steps + 100), "--load",
-                   "--optimizer-eps", "1e-05")
+                   "--optimizer-eps", "1e-05", "--gamma", "0.95")
     now = float(re.search(r"annealed linearly to 0 at 1,000 global steps \(now ([\d.e-]+)\)", out).group(1))
     assert now == pytest.approx(linear_anneal(0.002, steps, 1000), rel=1e-2)
     assert "the command line changes the checkpoint's lr 0.001 -> 0.002, eps 0.001 -> 1e-05" in out
@@ -236,6 +236,9 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 100 -> 1,000, "
             "--entropy-anneal-steps 60 -> 0") in out
     assert f"stopped: reached --max-steps {steps + 100:,}" in out
+    # every other training flag the command line changes is named (before: --gamma went to 0.95 without a word)
+    assert ("the command line changes the checkpoint's --gamma 0.99 -> 0.95 (pass the checkpoint's values to keep "
+            "them: the resume line its run printed has them)") in out
 
 
 def test_a3g_worker_anneals_the_entropy_bonus(tmp_path, monkeypatch):
