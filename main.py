@@ -471,10 +471,16 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
             a3g_dir = Path("runs") / safe_name(args.env)  # A3G mode's default folder
             hint = (" (a shipped model is in trained_models/: --load-model-dir trained_models/)"
                     if model_path("trained_models", args.env).is_file() else "")
+            ga3c_dir = Path("runs") / f"{safe_name(args.env)}-ga3c"  # GA3C mode's default folder
             if (args.mode == "ga3c" and args.ray_address is None
                     and Path(args.load_model_dir) == Path("runs") / run_folder_name(args)
                     and checkpoint_path(a3g_dir, args.env).is_file()):
                 hint = f" (an A3G-mode run is in {a3g_dir}: add --mode a3g to resume it in A3G mode)"
+            elif (args.mode == "a3g" and args.ray_address is None
+                    and Path(args.load_model_dir) == Path("runs") / run_folder_name(args)
+                    and checkpoint_path(ga3c_dir, args.env).is_file()):
+                hint = (f" (a GA3C-mode run is in {ga3c_dir}: leave out --mode a3g, --workers and "
+                        f"--distributed-step-size to resume it in GA3C mode)")
             fail([f"--load: neither {checkpoint_path(args.load_model_dir, args.env)} nor "
                   f"{model_path(args.load_model_dir, args.env)} exists, nothing to resume (check --save-model-dir, "
                   f"--load-model-dir and --env){hint}"])

@@ -758,6 +758,13 @@ def test_default_folders_keep_the_modes_apart_so_the_readme_commands_run_in_orde
     r = run_entry("main.py", *common, "--load", cwd=tmp_path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert f"an A3G-mode run is in runs/{env}: add --mode a3g to resume it in A3G mode" in r.stderr
+    # and the other way: an A3G-mode --load finds a GA3C run only (before: pointed at the shipped model)
+    (tmp_path / "runs" / f"{env}-ga3c" / f"{env}.ckpt").write_bytes(b"a GA3C run's checkpoint")
+    (tmp_path / "runs" / env / f"{env}.ckpt").unlink()
+    r = run_entry("main.py", *common, "--mode", "a3g", "--load", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert (f"a GA3C-mode run is in runs/{env}-ga3c: leave out --mode a3g, --workers and --distributed-step-size to "
+            f"resume it in GA3C mode") in r.stderr, r.stderr
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
