@@ -281,17 +281,27 @@ def most_agents(args: argparse.Namespace) -> int:
     return max(args.agents, args.dynamic_max[2]) if args.dynamic and args.dynamic_max else args.agents
 
 
+SYNC_WARN = 8  # --sync-every above this gets a line: the predictors' weights that many updates old at worst
+
+
 def policy_lag_warnings(args: argparse.Namespace) -> list[str]:
-    """The line to print before a GA3C run whose ``--train-batch`` leaves more than ``LAG_WARN`` env slots per
-    segment of an update (with ``--dynamic``, at its most agents); none in A3G mode."""
+    """The lines to print before a GA3C run whose ``--sync-every`` is above ``SYNC_WARN``, or whose
+    ``--train-batch`` leaves more than ``LAG_WARN`` env slots per segment of an update (with ``--dynamic``, at its
+    most agents); none in A3G mode."""
     if args.mode != "ga3c":
         return []
+    lines = []
+    if args.sync_every > SYNC_WARN:
+        lines.append(f"--sync-every {args.sync_every}: the predictors act with weights up to {args.sync_every} "
+                     f"updates old, which adds about {(args.sync_every - 1) / 2:g} updates to the policy lag on "
+                     f"average (a lag of about 30 collapsed a Breakout run: docs/results.md, Policy lag); the "
+                     f"default, 1, copies them after every update")
     agents = most_agents(args)
     slots = agents * args.envs_per_agent
     if slots <= LAG_WARN * args.train_batch:
-        return []
+        return lines
     counted = f"--agents {agents}" if agents == args.agents else f"up to {agents} agents with --dynamic"
-    return [f"--train-batch {args.train_batch} for {slots} env slots ({counted} x --envs-per-agent "
+    return lines + [f"--train-batch {args.train_batch} for {slots} env slots ({counted} x --envs-per-agent "
             f"{args.envs_per_agent}): "
             f"{round(slots / args.train_batch, 1):g} slots per segment of an update, and the policy lag grows with that "
             f"ratio (at 48 it measured about 30 updates and Breakout collapsed within 2,000 updates: "

@@ -133,6 +133,19 @@ def test_the_train_batch_follows_the_env_slots(agents, envs, want):
     assert policy_lag_warnings(a) == []
 
 
+def test_a_sync_every_that_leaves_a_long_policy_lag_gets_a_warning_line():
+    """--sync-every 1000000 was accepted without a word: the predictors never copied the trained weights again
+    (policy lag 6.1 after 15 updates against 0.5)."""
+    from config import policy_lag_warnings
+    for every, lines in (("8", 0), ("9", 1), ("1000000", 1)):
+        a = parse("--agents", "2", "--envs-per-agent", "8", "--sync-every", every)
+        assert validate(a) == [] and len(policy_lag_warnings(a)) == lines, (every, policy_lag_warnings(a))
+    assert policy_lag_warnings(a) == [
+        "--sync-every 1000000: the predictors act with weights up to 1000000 updates old, which adds about 500000 "
+        "updates to the policy lag on average (a lag of about 30 collapsed a Breakout run: docs/results.md, Policy "
+        "lag); the default, 1, copies them after every update"]
+
+
 def test_a_train_batch_that_leaves_a_long_policy_lag_is_run_after_one_warning_line(tmp_path):
     from conftest import run_entry
     from config import policy_lag_warnings
