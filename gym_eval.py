@@ -554,8 +554,9 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
                compute_precision: str | None = None) -> dict | None:
     """What the model card beside ``model`` says about ``env_id``, or None where the model has no card.
 
-    A card is ``<stem>.json`` next to the model file whose ``model_file`` names it, or whose ``sha256`` is the file's
-    (a renamed copy; trained_models/ ships one card per model; docs/results.md). Returns ``{"path", "trained_on", "evaluation", "same_file", "see_skipped_frames"}``:
+    A card is ``<stem>.json`` next to the model file whose ``model_file`` names it, or whose ``sha256`` is the
+    file's (a renamed copy; trained_models/ ships one card per model; docs/results.md). Returns
+    ``{"path", "trained_on", "evaluation", "same_file", "see_skipped_frames"}``:
     ``evaluation`` is the card's entry for ``env_id`` (None where it has none): the first whose protocol is
     ``proto`` and whose precision is ``compute_precision`` where one is, else the first on ``env_id``;
     ``same_file`` is False where the card's sha256 is not the played file's ``sha256`` (a model replaced after its

@@ -305,7 +305,8 @@ def test_the_finiteness_check_reads_copies_not_the_live_shared_tensors(tmp_path,
         mode = Bare()
         mode.args, mode.shared_model, mode.optimizer, mode.run = args, model, opt, run
     mode.average_model = A3Clstm(1, 6, 32)
-    live = {t.untyped_storage().data_ptr() for m in (mode.shared_model, mode.average_model) for t in m.state_dict().values()}
+    live = {t.untyped_storage().data_ptr() for m in (mode.shared_model, mode.average_model)
+            for t in m.state_dict().values()}
     live |= {t.untyped_storage().data_ptr() for state in mode.optimizer.state.values() for t in state.values()
              if isinstance(t, torch.Tensor)}
     checked = []

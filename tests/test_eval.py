@@ -19,6 +19,8 @@ from test_faults import START_SECONDS
 from model import expected_shapes
 
 SHORT = ["--hidden-size", "32", "--max-episode-length", "60", "--env-config", str(ROOT / "config.json")]
+# what an earlier gym_eval.py run left at a --json path: a summary, which a new one may replace
+EARLIER_SUMMARY = '{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n'
 
 
 @pytest.fixture
@@ -566,7 +568,7 @@ def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, mon
     import gym_eval
     out = tmp_path / "out" / "keep.json"
     out.parent.mkdir()
-    out.write_text('{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n')
+    out.write_text(EARLIER_SUMMARY)
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -579,14 +581,14 @@ def test_a_summary_that_cannot_be_written_leaves_the_old_one_whole(tmp_path, mon
         f"gym_eval.py: error: the summary could not be written to {out} (No space left on device); the lines above "
         "are this run's result: free space or pass --json PATH somewhere writable, and run again\n")
     assert "2 games, mean" in captured.out
-    assert out.read_text() == '{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n' and [p.name for p in out.parent.iterdir()] == ["keep.json"]
+    assert out.read_text() == EARLIER_SUMMARY and [p.name for p in out.parent.iterdir()] == ["keep.json"]
 
 
 def test_a_summary_json_that_is_a_link_is_written_through_it(tmp_path, capsys):
     """--json naming a symbolic link: its target gets the summary, and the link stays a link."""
     import gym_eval
     real, link = tmp_path / "real.json", tmp_path / "link.json"
-    real.write_text('{"env": "PongNoFrameskip-v4", "episodes": 1, "scores": [1.0], "lengths": [900], "protocol": {}}\n')
+    real.write_text(EARLIER_SUMMARY)
     link.symlink_to(real)
     assert gym_eval.main([*SHORT[2:], "--random-actions", "--num-episodes", "1", "--log-dir", str(tmp_path / "logs"),
                           "--json", str(link)]) == 0

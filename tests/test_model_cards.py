@@ -678,7 +678,8 @@ BREAKAGES = {
         lambda c: c.update(limitations=c["limitations"].replace("on PongNoFrameskip-v0", "on PongNoFrameskip-v4")),
         "limitations quote 1.40 ± 11.12 on PongNoFrameskip-v4; the card's evaluation on PongNoFrameskip-v4 is"),
     "another model's figure": (
-        lambda c: c.update(limitations=c["limitations"] + " For sticky actions trained_models/ALE_Pong-v5.dat (18.45)."),
+        lambda c: c.update(limitations=c["limitations"]
+                           + " For sticky actions trained_models/ALE_Pong-v5.dat (18.45)."),
         "limitations give trained_models/ALE_Pong-v5.dat 18.45, none of its card's means"),
     "a figure in a piece's stop": (
         lambda c: c["training"]["pieces"][0].update(stopped=c["training"]["pieces"][0]["stopped"] + " (20.50 ± 0.50 "
