@@ -304,9 +304,10 @@ def mode_change_line(saved_config: dict, args: Namespace) -> str:
 # the update's and the games' settings a resume takes from its command line like any run (the defaults where not
 # given), said in one line where they are not the checkpoint's; the lines above say the others (the mode, the
 # learning rate and Adam's, the schedules, GA3C's batch, passes and slots, the envs, the frames, the precision)
+# (not --env-config: a path, which names the same table from another folder or clone)
 TRAINING_FLAGS = ("num_steps", "gamma", "tau", "entropy_coef", "value_coef", "max_grad_norm", "is_clip",
-                  "max_episode_length", "skip_rate", "env_config", "distributed_step_size", "replay_activations",
-                  "sync_every", "ema_steps", "score_window")
+                  "max_episode_length", "skip_rate", "distributed_step_size", "replay_activations", "sync_every",
+                  "ema_steps", "score_window")
 
 
 def training_flags_change_line(saved_config: dict, args: Namespace) -> str:
