@@ -95,14 +95,16 @@ def cut_warning(path: Path, lines: list[int]) -> str:
 
 
 _RESULTS_PREFIX = re.compile(r"^[0-9: -]*(,[ 0-9.eE+-]*)?$")  # what the start of a results.txt line can hold
+_RESULTS_UNENDED = re.compile(r"^[0-9: -]*(,[ 0-9.eE+-]*){0,2}$")  # a line without its newline: all but the end
 
 
 def read_results(path: Path, warnings: list[str] | None = None) -> dict:
     """GA3C's ``results.txt`` (``YYYY-MM-DD HH:MM:SS, score, length`` per game) as a curve.
 
-    A line cut short (fewer than three values, each what a line's start can hold: a run killed or out of disk
-    while writing it; the next run's writer ends it) is left out, with a warning; any other line that does not
-    parse is an error naming it. A file without a game raises ``NoGamesYet``."""
+    A line cut short is left out, with a warning: the last line without its newline (a run killed or out of disk
+    while writing it, or writing it now; the next run's writer drops it), or a line of fewer than three values,
+    each what a line's start can hold (which writers before that one ended with a newline). Any other line that
+    does not parse is an error naming it. A file without a game raises ``NoGamesYet``."""
     from datetime import datetime
     warnings = [] if warnings is None else warnings
     steps, score, times, cut = [], [], [], []
@@ -110,6 +112,9 @@ def read_results(path: Path, warnings: list[str] | None = None) -> dict:
     with open(path, errors="replace") as f:  # a byte that is not UTF-8 makes its line fail below, by number
         for n, line in enumerate(f, 1):
             if not line.strip():
+                continue
+            if not line.endswith("\n") and _RESULTS_UNENDED.match(line.strip()):  # the last line, still unended
+                cut.append(n)
                 continue
             try:
                 when, value, length = (x.strip() for x in line.split(","))

@@ -33,6 +33,26 @@ def compact_json(obj, indent: int = 2, _level: int = 0) -> str:
     return json.dumps(obj)
 
 
+def drop_cut_line(path: Path) -> bytes:
+    """Where the file at ``path`` ends inside a line (``ends_mid_line``), cut it back to the end of its last whole
+    line and return the bytes dropped (b"" otherwise): a line cut inside its last value can still parse, with a
+    wrong number in it (GA3C's results.txt: a game length of 16 cut from 1654)."""
+    if not ends_mid_line(path):
+        return b""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        start = max(0, size - 65536)  # a line is far shorter: the last newline is in the tail
+        f.seek(start)
+        tail = f.read()
+        keep = start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+        f.seek(keep)
+        dropped = f.read()
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return dropped
+
+
 def ends_mid_line(path: Path) -> bool:
     """Whether the file at ``path`` exists, is not empty and does not end with a newline: its last line was cut
     short (a run killed, or out of disk, while writing it), and an append must end that line first."""

@@ -31,7 +31,7 @@ import torch
 from checkpoint import write_errors
 from ga3c.buffers import ACQUIRE, RELEASE, fence
 from ga3c.gate import StepGate
-from utils import close_quietly, ends_mid_line
+from utils import close_quietly, drop_cut_line
 
 TRAINER_FIELDS = ("steps", "segments", "lag_mean", "lag_max", "policy_loss", "value_loss", "entropy", "grad_norm")
 EMA = 0.99
@@ -287,23 +287,17 @@ def results_line(when: float | datetime, score: float, length: int) -> str:
 
 
 class ResultsWriter:
-    """Appends one ``results_line`` per game to ``path`` (never truncates; flushed per line). A file whose last
-    line was cut short (a run killed, or out of disk, while writing it) gets that line ended first, so that the
-    next game's line starts a line of its own (``plot.py`` leaves the cut one out)."""
+    """Appends one ``results_line`` per game to ``path`` (flushed per line). A file whose last line was cut short
+    (a run killed, or out of disk, while writing it) loses that line first (``drop_cut_line``): ended, a line cut
+    inside its game length would read as a game of the wrong length (``plot.py`` also leaves out a last line
+    without its newline)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with write_errors(self.path):  # a file that cannot be opened is one line (CheckpointWriteError)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            cut = ends_mid_line(self.path)
+            drop_cut_line(self.path)
             self._file = open(self.path, "a", encoding="utf-8")
-            if cut:
-                try:
-                    self._file.write("\n")
-                    self._file.flush()
-                except BaseException:
-                    close_quietly(self._file)
-                    raise
 
     def write(self, episode: Episode) -> None:
         """Append the game's line; raises ``CheckpointWriteError`` (one line) when it cannot be written."""

@@ -906,24 +906,28 @@ def test_a_row_cut_short_is_left_out_and_the_resumed_monitor_starts_a_new_line(t
     assert row[1:] == ["4k", "/", "1", "min"] * 2  # 2 and 5 reached at 4,000 steps: the cut '2' was never a score
 
 
-def test_a_results_txt_line_cut_short_is_left_out_and_the_next_writer_starts_a_new_line(tmp_path):
-    """GA3C's results.txt, cut inside a line by a kill (or a full disk): the next run's ``ResultsWriter`` ends that
-    line before its own, and plot.py leaves the cut line out with a warning instead of stopping at it."""
+@pytest.mark.parametrize("cut", ["2023-11-14 22:15:00, 2", "2023-11-14 22:15:00, 2, 16"])
+def test_a_results_txt_line_cut_short_is_left_out_and_the_next_writer_drops_it(tmp_path, cut):
+    """GA3C's results.txt, cut inside a line by a kill (or a full disk): plot.py leaves the unended last line out
+    with a warning, and the next run's ``ResultsWriter`` drops it before its own line. Cut inside the game length
+    (16 of 1654), the line parsed as a game of 16 steps once a writer had ended it: every later step count was
+    short (before, the writer ended the line)."""
     from ga3c.stats import Episode, ResultsWriter
     path = tmp_path / "logs" / "results.txt"
     with ResultsWriter(path) as w:
         w.write(Episode(1_700_000_000.0, -21.0, 1000))
-    with open(path, "a") as cut:
-        cut.write("2023-11-14 22:15:00, 2")  # cut inside the score
+    with open(path, "a") as f:
+        f.write(cut)
+    r = run_entry("plot.py", str(path), "--no-figure", "--window", "1", "--levels", "2", cwd=tmp_path)
+    assert r.returncode == 0 and f"{path} line 2: cut short" in r.stderr, r.stderr
     with ResultsWriter(path) as w:
         w.write(Episode(1_700_000_120.0, 5.0, 3000))
     lines = path.read_text().splitlines()
-    assert len(lines) == 3 and lines[1] == "2023-11-14 22:15:00, 2" and lines[2].endswith(", 5, 3000"), lines
+    assert len(lines) == 2 and lines[0].endswith(", -21, 1000") and lines[1].endswith(", 5, 3000"), lines
     r = run_entry("plot.py", str(path), "--no-figure", "--window", "1", "--levels", "2", "5", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert f"{path} line 2: cut short" in r.stderr
+    assert r.returncode == 0 and "cut short" not in r.stderr, r.stderr
     row = r.stdout.splitlines()[2].split()
-    assert row[1:] == ["4k", "/", "2", "min"] * 2  # 2 and 5 at 4,000 steps: the cut '2' was never a score
+    assert row[1:] == ["4k", "/", "2", "min"] * 2  # 5 at 4,000 steps: the cut line was never a game
 
 
 def test_a_run_without_a_game_yet_is_skipped_whatever_it_left(tmp_path, capsys):
