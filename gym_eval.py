@@ -566,9 +566,9 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
     card, problem = read_card(model)
     if problem is not None:
         return {"path": str(path), "problem": problem}
-    same_file = card is not None and sha256 is not None and sha256 == card.get("sha256")
-    if card is None or (card.get("model_file") != model.name and not same_file):
+    if not describes(card, model, sha256):
         return None
+    same_file = sha256 is not None and sha256 == card.get("sha256")
     evaluations = card.get("evaluations", [])
     if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
         raise TypeError("its 'evaluations' is not a list of objects")
@@ -579,6 +579,13 @@ def card_claim(model: Path, env_id: str, sha256: str | None, proto: dict | None 
     evaluation = (matching or on_env or [None])[0]
     return {"path": str(path), "trained_on": card.get("env"), "evaluation": evaluation, "same_file": same_file,
             "see_skipped_frames": card.get("see_skipped_frames") is True}
+
+
+def describes(card: dict | None, model: Path, sha256: str | None) -> bool:
+    """Whether ``card`` is ``model``'s: its ``model_file`` names the file, or its ``sha256`` is the file's (a renamed
+    copy)."""
+    return card is not None and (card.get("model_file") == model.name
+                                 or (sha256 is not None and card.get("sha256") == sha256))
 
 
 def is_number(x) -> bool:
@@ -600,7 +607,7 @@ def card_shape_problems(model: Path, sha256: str | None) -> list[str]:
     card, problem = read_card(model)
     if problem is not None:
         return [f"card {path} {problem}: {fix}"]
-    if card is None or (card.get("model_file") != model.name and card.get("sha256") != sha256):
+    if not describes(card, model, sha256):
         return []
     evaluations = card.get("evaluations", [])
     if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):

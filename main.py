@@ -314,6 +314,9 @@ def training_flags_change_line(saved_config: dict, args: Namespace) -> str:
     """The line that names each of ``TRAINING_FLAGS`` whose value differs from the resumed checkpoint's saved
     ``config`` (a flag it has no record of is not named); "" when none does. Before, a resume without the first
     command's flags went back to the defaults without a word (--max-grad-norm 40 -> 0 turned clipping off)."""
+    def show(v):
+        return "none" if v is None or v == [] else " ".join(map(str, v)) if isinstance(v, list) else f"{v}"
+
     changed = []
     for k in TRAINING_FLAGS:
         if k not in saved_config:
@@ -321,8 +324,6 @@ def training_flags_change_line(saved_config: dict, args: Namespace) -> str:
         was, now = saved_config[k], getattr(args, k)
         now = list(now) if isinstance(now, tuple) else now
         if was != now:
-            def show(v):
-                return "none" if v is None or v == [] else " ".join(map(str, v)) if isinstance(v, list) else f"{v}"
             changed.append(f"--{k.replace('_', '-')} {show(was)} -> {show(now)}")
     if not changed:
         return ""

@@ -317,6 +317,7 @@ def _figures_of(files: list[Path]) -> set[tuple[str, str]]:
                 s = json.loads(data)
             except ValueError:
                 s = None
+            from gym_eval import is_number
             ok = isinstance(s, dict) and is_number(s.get("mean")) and is_number(s.get("std"))
             _FIGURES_BY_CONTENT[key] = (f"{s['mean']:.2f}", f"{s['std']:.2f}") if ok else None
         if _FIGURES_BY_CONTENT[key] is not None:
@@ -345,9 +346,6 @@ def _stopped_problems(card: dict, repo: Path, name: str) -> list[str]:
                   for m, sd in figures if (m, sd) not in pool]
     return found
 
-
-def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _observation_problems(card: dict, name: str) -> list[str]:
