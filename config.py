@@ -105,7 +105,8 @@ def add_model_env_flags(p: argparse.ArgumentParser, log_dir_short: str = "-lg",
 
 # The defaults that depend on the mode: GA3C mode's were measured on Pong over three seeds each and checked on
 # Breakout's first 1.5M steps (docs/results.md); A3G mode keeps upstream's, which all of its seeds used.
-MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto"}, "a3g": {"lr": 0.0001, "precision": "fp32"}}
+MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto", "lr_anneal_steps": 1_500_000, "train_passes": 2},
+                 "a3g": {"lr": 0.0001, "precision": "fp32", "lr_anneal_steps": 0, "train_passes": 1}}
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
                    "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
@@ -116,8 +117,9 @@ _NOT_GIVEN = object()
 def resolve_mode(args: argparse.Namespace) -> argparse.Namespace:
     """Fills in what depends on the mode, in place: ``mode`` from ``--mode``, else ``a3g`` where the command line
     gives a flag that only A3G mode has (``--workers``, ``--distributed-step-size``, ``--ray-address``, as
-    upstream's commands do, in any spelling argparse accepts), else ``ga3c``; then that mode's ``--lr`` and
-    ``--precision`` unless given, and ``--workers``'s default, the number of CPU cores."""
+    upstream's commands do, in any spelling argparse accepts), else ``ga3c``; then that mode's ``--lr``,
+    ``--precision``, ``--lr-anneal-steps`` and ``--train-passes`` unless given (``MODE_DEFAULTS``), and
+    ``--workers``'s default, the number of CPU cores."""
     if args.mode is None:
         args.mode = "a3g" if any(getattr(args, d) is not None for d in A3G_ONLY_DESTS) else "ga3c"
     for name, value in MODE_DEFAULTS[args.mode].items():
@@ -137,7 +139,7 @@ class TrainParser(Parser):
         # once more with a marker for the defaults of the flags that belong to one mode: which of them were given
         # and of the flags refused where they would change nothing
         watched = A3G_ONLY_DESTS + GA3C_ONLY_DESTS + ("confirm_every_steps", "sync_seconds", "merge", "amsgrad",
-                                                      "num_steps")
+                                                      "num_steps", "lr_anneal_steps", "max_steps")
         defaults = {d: self.get_default(d) for d in watched}
         self.set_defaults(**dict.fromkeys(watched, _NOT_GIVEN))
         try:
@@ -153,10 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "workers (A3G mode, --mode a3g).")
     add_model_env_flags(p)
     p.add_argument("--lr", "-l", type=float, help="learning rate (default: 0.0002 in GA3C mode, 0.0001 in A3G mode)")
-    p.add_argument("--lr-anneal-steps", type=int, default=0,
+    p.add_argument("--lr-anneal-steps", type=int,
                    help="anneal the learning rate linearly from --lr to 0 at this many global agent steps (as A3C's "
                         "paper did); the run stops there at the latest (a larger --max-steps, or 0, is cut to it); "
-                        "0 = a constant --lr (default: %(default)s)")
+                        "0 = a constant --lr; for a longer run give the steps it should take (default: 1500000 in "
+                        "GA3C mode, 0 in A3G mode)")
     p.add_argument("--entropy-coef", "-ec", type=float, default=0.01, help="entropy bonus weight (default: %(default)s)")
     p.add_argument("--entropy-anneal-steps", type=int, default=0,
                    help="anneal the entropy bonus weight linearly from --entropy-coef to 0 at this many global agent "
@@ -350,11 +353,10 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--is-clip", type=float, default=0.0,
                    help="weight each policy-gradient term by min(pi/mu, IS_CLIP), mu the acting policy's "
                         "probability (policy-lag correction); 0 = off, as GA3C (default: %(default)s)")
-    g.add_argument("--train-passes", type=int, default=1, metavar="K",
+    g.add_argument("--train-passes", type=int, metavar="K",
                    help="optimizer steps on each batch; above 1 every pass's policy term is PPO's clipped surrogate "
                         "against the acting policy (--pass-clip), so that the batch is learned from K times without "
-                        "one action's probability moving far from the one that acted; 1 = plain A3C "
-                        "(default: %(default)s)")
+                        "one action's probability moving far from the one that acted; 1 = plain A3C (default: 2)")
     g.add_argument("--pass-clip", type=float, default=0.2, metavar="EPS",
                    help="with --train-passes above 1, the clipped surrogate's epsilon: a step's ratio pi/mu gives no "
                         "gradient beyond 1 +- EPS in the direction of its advantage (default: %(default)s, PPO's)")
@@ -516,8 +518,7 @@ def validate(args: argparse.Namespace) -> list[str]:
                       "use --optimizer Adam")
     errors += [f"--{name.replace('_', '-')} must be < 2**63 (a step count the checkpoint holds), got {value}"
                for name in STEP_COUNT_FLAGS if (value := getattr(args, name)) >= STEP_COUNT_LIMIT]
-    if args.lr_anneal_steps > 0 and (args.max_steps == 0 or args.max_steps > args.lr_anneal_steps):
-        args.max_steps = args.lr_anneal_steps  # the learning rate is 0 from there on: the run stops there
+    cut_to_schedule(args)
     if args.distributed_step_size is not None and any(n < 1 for n in args.distributed_step_size):
         errors.append(f"--distributed-step-size values must be >= 1, got {args.distributed_step_size}")
     dss = args.distributed_step_size
@@ -814,6 +815,27 @@ def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
     return [f"{flag} changes nothing here: {why}, or leave it out" for flag, why in unused]
 
 
+def cut_to_schedule(args: argparse.Namespace) -> None:
+    """``--max-steps`` as the run uses it: the value asked for (kept in ``args._max_steps_asked`` the first time),
+    cut to the end of ``--lr-anneal-steps`` where that comes first or ``--max-steps`` is 0: the learning rate is 0
+    from there on, so the run stops there."""
+    if not hasattr(args, "_max_steps_asked"):
+        args._max_steps_asked = args.max_steps
+    asked = args._max_steps_asked
+    anneal = args.lr_anneal_steps
+    args.max_steps = anneal if anneal > 0 and (asked == 0 or asked > anneal) else asked
+
+
+def max_steps_cut_line(args: argparse.Namespace) -> str | None:
+    """The start-up line for a ``--max-steps`` given on the command line and cut to the end of
+    ``--lr-anneal-steps`` (``cut_to_schedule``); None otherwise."""
+    asked = getattr(args, "_max_steps_asked", args.max_steps)
+    if "max_steps" not in getattr(args, "_given", ()) or asked in (0, args.max_steps):  # 0: the start line says
+        return None
+    return (f"--max-steps {asked:,} is cut to {args.max_steps:,}, the end of --lr-anneal-steps (the learning rate is 0 "
+            f"from there): give --lr-anneal-steps {asked:,} to anneal over the whole run, or 0 for a constant --lr")
+
+
 def train_passes_problems(args: argparse.Namespace) -> list[str]:
     """``--train-passes K`` (K >= 1) and ``--pass-clip EPS`` (0 < EPS < 1); K > 1 is not combined with
     ``--is-clip`` or ``--greedy-slots`` (their importance weights and the clipped surrogate are two different
@@ -826,10 +848,12 @@ def train_passes_problems(args: argparse.Namespace) -> list[str]:
     if args.train_passes > 1:
         both = [flag for flag, on in (("--is-clip", 0 < args.is_clip < math.inf),  # inf: validate's own line
                                       ("--greedy-slots", getattr(args, "greedy_slots", 0) > 0)) if on]
+        default = "train_passes" not in getattr(args, "_given", ("train_passes",))
         if both:
-            errors.append(f"--train-passes {args.train_passes} trains with the clipped surrogate, which is not "
-                          f"combined with {' or '.join(both)}; leave {'it' if len(both) == 1 else 'them'} out, or "
-                          f"use --train-passes 1")
+            errors.append(f"--train-passes {args.train_passes}{' (GA3C mode default)' if default else ''} trains "
+                          f"with the clipped surrogate, which is not combined with {' or '.join(both)}; leave "
+                          f"{'it' if len(both) == 1 else 'them'} out, or {'add' if default else 'use'} "
+                          f"--train-passes 1")
     return errors
 
 
@@ -932,7 +956,10 @@ def validate_ray(args: argparse.Namespace) -> list[str]:
     if not args.ray_address.strip():
         errors.append("--ray-address is empty: give auto, HOST:PORT or local")
     for flag in ("--lr-anneal-steps", "--entropy-anneal-steps"):
-        if getattr(args, flag[2:].replace("-", "_")):
+        dest = flag[2:].replace("-", "_")
+        ga3c_default = (dest == "lr_anneal_steps" and args.mode == "ga3c"
+                        and dest not in getattr(args, "_given", (dest,)))
+        if getattr(args, dest) and not ga3c_default:  # --mode ga3c's own line says to leave out one of the two
             errors.append(f"{flag} needs the global step count in every worker, which Ray nodes do not have: "
                           f"drop {flag} or --ray-address")
     if args.ema_steps:

@@ -51,7 +51,8 @@ from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLocked
                         check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
                         read_weights, remove_stale_temp_files, state_dict_of, write_errors)
 from config import (build_parser, policy_lag_warnings, precision_warnings, results_txt, run_folder_name,  # noqa: E402
-                    greedy_slots_line, short_games_line, train_envs_line, validate)
+                    cut_to_schedule, greedy_slots_line, max_steps_cut_line, short_games_line, train_envs_line,
+                    validate)
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -68,6 +69,19 @@ def find_resume_file(args: Namespace) -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def checkpoint_config(args: Namespace) -> dict | None:
+    """The saved configuration of the checkpoint ``--load`` would resume, read ahead of the checks; None where
+    there is none or it cannot be read (the checks after it say why, in one line)."""
+    folder = args.load_model_dir or args.save_model_dir or str(Path("runs") / run_folder_name(args))  # as validate
+    try:
+        path = checkpoint_path(folder, args.env)
+        obj = read_weights(path) if path.is_file() else None
+    except Exception:  # noqa: BLE001 - any file or flag it cannot read is reported by check_before_start
+        return None
+    config = obj.get("config") if obj is not None and is_checkpoint(obj) else None
+    return config if isinstance(config, dict) else {} if obj is not None and is_checkpoint(obj) else None
 
 
 def fail(errors: list[str]) -> None:
@@ -212,15 +226,24 @@ def target_met_line(ckpt: dict, args: Namespace) -> str:
 BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "1", "0", "on", "off"}
 
 
+def longer_schedule(anneal_steps: int, steps: int) -> int:
+    """The ``--lr-anneal-steps`` that the command printed at a schedule's end gives: twice the schedule, or, where
+    the run stopped at or past that (a batch past a small schedule's end), those global steps plus the schedule,
+    so that it ends after them."""
+    return 2 * anneal_steps if steps < 2 * anneal_steps else steps + anneal_steps
+
+
 def resume_command(argv: list[str], args: Namespace, reason: str, steps: int = 0) -> str:
     """The command that continues this run: its own flags without any ``--load``/``--load-model-dir`` (so it
     resumes from its own ``--save-model-dir``), plus ``--load``; after ``--max-steps`` was reached, with a budget
     of twice that or of ``steps`` (the global steps it stopped at, a little past it) plus that, whichever is more
     (twice a small budget can be below where the run stopped, which ``--load`` refuses); after ``--target-score``
     was reached, without it (the restored games already meet it) and without ``--confirm-every-steps``, which is
-    refused without a target."""
+    refused without a target; after the end of ``--lr-anneal-steps``, with a schedule about twice as long
+    (``longer_schedule``) and without ``--max-steps``."""
     reached = reason.startswith("reached --max-steps")
     target = reason.startswith("reached --target-score")
+    annealed = reason.startswith("reached the end of --lr-anneal-steps")
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
@@ -229,13 +252,16 @@ def resume_command(argv: list[str], args: Namespace, reason: str, steps: int = 0
             i += 2 if not has_value and i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS else 1
             continue
         if name in ("--load-model-dir", "-lmd") or (reached and name == "--max-steps") or (
-                target and name in ("--target-score", "--confirm-every-steps")):
+                target and name in ("--target-score", "--confirm-every-steps")) or (
+                annealed and name in ("--max-steps", "--lr-anneal-steps")):
             i += 1 if has_value else 2
             continue
         out.append(a)
         i += 1
     if reached:
         out += ["--max-steps", str(max(2 * args.max_steps, steps + args.max_steps))]
+    if annealed:  # a --max-steps of its own would cut the longer schedule again
+        out += ["--lr-anneal-steps", str(longer_schedule(args.lr_anneal_steps, steps))]
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("main.py") else "main.py"
     return shlex.join(["python", script, *out, "--load"])
 
@@ -395,6 +421,35 @@ def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
     return f"the checkpoint was trained with --train-batch {was}; this run goes on with --train-batch {args.train_batch}"
 
 
+def keep_checkpoint_schedule(saved_config: dict, args: Namespace) -> str:
+    """On a resume, ``--lr-anneal-steps`` and (GA3C checkpoint into GA3C mode) ``--train-passes`` that the command
+    line does not give are the checkpoint's (before those flags: 0 and 1), not the mode's defaults, and
+    ``--max-steps`` is cut again to that schedule: a run goes on as it was started. Returns the line that says
+    which values were kept where they differ from the defaults, or ""."""
+    given = getattr(args, "_given", ("lr_anneal_steps", "train_passes"))  # a Namespace not parsed: all given
+    kept = []
+    def count(value, least):  # a damaged value is not kept: check_checkpoint refuses the file in one line
+        return type(value) is int and value >= least
+
+    if "lr_anneal_steps" not in given and args.ray_address is None:  # Ray mode has no schedule (validate_ray)
+        was = saved_config.get("lr_anneal_steps", 0)
+        if count(was, 0) and was != args.lr_anneal_steps:
+            kept.append(("lr_anneal_steps", was, args.lr_anneal_steps))
+            args.lr_anneal_steps = was
+            cut_to_schedule(args)
+    if "train_passes" not in given and args.mode == "ga3c" and saved_config.get("mode") == "ga3c":
+        was = saved_config.get("train_passes", 1)
+        if count(was, 1) and was != args.train_passes:
+            kept.append(("train_passes", was, args.train_passes))
+            args.train_passes = was
+    if not kept:
+        return ""
+    return ("kept the checkpoint's " + " and ".join(f"--{k.replace('_', '-')} {was:,}" for k, was, _ in kept)
+            + f" ({args.mode.upper()} mode's default" + ("s are " if len(kept) > 1 else " is ")
+            + " and ".join(f"{default:,}" for _, _, default in kept)
+            + ("; give the flags to change them)" if len(kept) > 1 else "; give the flag to change it)"))
+
+
 def train_passes_change_line(saved_config: dict, args: Namespace) -> str:
     """The line that says a resumed GA3C checkpoint was trained with other ``--train-passes`` (or, with several,
     another ``--pass-clip``) than this GA3C run; "" otherwise (checkpoints from before the flag: one pass)."""
@@ -453,7 +508,10 @@ def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | No
 def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, Path | None]:
     """Every check made before anything is written (the flags, the file to resume, the folders to write in);
     exits 2 with one line per problem. Returns the env's action count and, with ``--load``, the checkpoint (or
-    None for a bare ``.dat``), its weights and its path."""
+    None for a bare ``.dat``), its weights and its path. The checkpoint's schedule and passes are kept
+    (``keep_checkpoint_schedule``) before the flags are checked, so that the checks see the values the run uses."""
+    saved = checkpoint_config(args) if args.load else None
+    args._kept_line = keep_checkpoint_schedule(saved, args) if saved is not None else ""
     errors = validate(args)
     if errors:
         fail(errors)
@@ -501,8 +559,8 @@ def check_before_start(args: Namespace) -> tuple[int, dict | None, dict | None, 
         if args.max_steps and done >= args.max_steps:
             limit = (f"the end of --lr-anneal-steps {args.lr_anneal_steps:,}" if args.max_steps == args.lr_anneal_steps
                      else f"--max-steps {args.max_steps:,}")
-            more = ("--lr-anneal-steps (and --max-steps, where given: a run stops at the end of its schedule)"
-                    if "anneal" in limit else "--max-steps (0: no limit)")
+            more = ("--lr-anneal-steps (and --max-steps, where given: a run stops at the end of its schedule), or "
+                    "--lr-anneal-steps 0 for a constant --lr," if "anneal" in limit else "--max-steps (0: no limit)")
             fail([f"--load: {resume_path} is at {done:,} global steps, already at {limit}: pass a larger {more} to "
                   f"train on"])
         if resume_ckpt is not None:
@@ -680,7 +738,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         else:
             log.info(optimizer_not_resumed_line(resume_ckpt, args))
     if resume_path is not None:
-        log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else ""))
+        log.info(f"loaded {resume_path}" + (f" at {run.global_steps.value:,} global steps" if resume_ckpt else
+                                            " (a bare model file: its steps count from 0, and so does --lr-anneal-steps)"
+                                            if args.lr_anneal_steps else ""))
 
     if resume_path is not None and resume_ckpt is None:  # a bare .dat: its card, where it describes this file
         card = card_of_this_file(resume_path, file_sha256(resume_path))
@@ -694,7 +754,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                    for k in ("lr_anneal_steps", "entropy_anneal_steps") if saved_config.get(k, 0) != getattr(args, k)]
         if changed:
             log.info("the command line changes the checkpoint's schedule: " + ", ".join(changed))
-        for line in (mode_change_line(saved_config, args), train_batch_change_line(saved_config, args),
+        for line in (getattr(args, "_kept_line", ""), mode_change_line(saved_config, args),
+                     train_batch_change_line(saved_config, args),
                      train_passes_change_line(saved_config, args), slots_change_line(saved_config, args),
                      train_envs_change_line(saved_config, args), see_skipped_change_line(saved_config, args),
                      training_flags_change_line(saved_config, args), target_met_line(resume_ckpt, args)):
@@ -710,8 +771,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (train_envs_line(args), short_games_line(args), greedy_slots_line(args), see_skipped_line(args),
-                 average_line(args)):
+    for line in (max_steps_cut_line(args), train_envs_line(args), short_games_line(args), greedy_slots_line(args),
+                 see_skipped_line(args), average_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),
@@ -825,8 +886,12 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
         log.info(f"stopped: {reason}; {run.global_steps.value:,} global steps, {rate:.0f} steps/s over "
                  f"{elapsed:.0f} s; {ckpt_note}")
         if reason.startswith("reached the end of --lr-anneal-steps"):
-            log.info("to train on, resume (--load) with a larger --lr-anneal-steps (and a larger --max-steps, where "
-                     "given): the learning rate goes on from where that schedule puts it")
+            if checkpoint_path(args.save_model_dir, args.env).is_file():
+                longer = longer_schedule(args.lr_anneal_steps, run.global_steps.value)
+                log.info(f"to train on with the learning rate annealed over about twice the steps (it goes on at "
+                         f"{linear_anneal(args.lr, run.global_steps.value, longer):.3g}, then falls to 0 at "
+                         f"{longer:,}): {resume_command(argv, args, reason, run.global_steps.value)}; or give "
+                         f"--lr-anneal-steps 0 instead for a constant --lr {args.lr:g}")
         elif checkpoint_path(args.save_model_dir, args.env).is_file():
             log.info(f"resume with: {resume_command(argv, args, reason, run.global_steps.value)}")
         if tb is not None:

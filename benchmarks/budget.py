@@ -28,7 +28,9 @@ again (``ga3c.trainer``), the first block forward and backward in pieces.
 
 The GA3C pieces above are those of ``--replay-activations`` (the predictor saves activations, the update at lag 0
 replays them). A GA3C run's default saves none and runs the encoder again for every frame: its update is the
-``--lagged`` one, and its acting forward saves nothing (a little cheaper than the one timed here).
+``--lagged`` one, and its acting forward saves nothing (a little cheaper than the one timed here). The update timed
+is one optimizer step on a batch (``--train-passes 1``); GA3C mode's default makes two on each, the second one
+the ``--lagged`` update (the weights moved), so a default run's update costs about that one more.
 
 Exit codes: 0 done; 2 bad input (one line on stderr, found before anything is measured or written); 130 Ctrl-C.
 """
@@ -137,7 +139,7 @@ def trainer_update_ms(segments: list[Segment], repeats: int, precision: str = "f
     before (0: the trainer's own version, so every frame's activations are replayed; >= 1: none are, the encoder
     runs again); ms per agent step."""
     args = build_parser().parse_args(["--mode", "ga3c", "--train-batch", str(len(segments)),
-                                      "--num-steps", str(len(segments[0]))])
+                                      "--num-steps", str(len(segments[0])), "--train-passes", "1"])
     args.compute_precision = precision
     shared = A3Clstm(1, 6)
     shared.share_memory()

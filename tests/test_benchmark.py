@@ -38,7 +38,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert g["steps"] > 0 and g["updates_per_s"] > 0 and g["flags"]["agents"] == 1
     assert g["flags"]["compute_precision"] == "fp32"  # --ga3c-flags' own --precision
     assert g["flags"]["replay_activations"] is False  # the default
-    assert g["flags"]["train_passes"] == 1  # the default: one optimizer step per batch
+    assert g["flags"]["train_passes"] == 2  # GA3C mode's default: two optimizer steps per batch
     assert set(g["rss_mib_start"]) == {"ga3c server", "ga3c agent 0", "monitor"}
     assert abs(res["ga3c_over_a3g"] - g["steps_per_s"] / tr["steps_per_s"]) < 1e-9
     assert 300 < flop["total"] < 600 and abs(flop["total"] - sum(v for k, v in flop.items() if k != "total")) < 1e-9

@@ -257,7 +257,8 @@ def test_short_game_flags_are_checked(argv, want):
       "--agents 1 x --envs-per-agent 2; give fewer, or list it again in --train-envs"]),
     (["--mode", "a3g", "--greedy-slots", "1"], ["--greedy-slots: only GA3C mode has it"])])
 def test_greedy_slots_are_checked(argv, want):
-    errors = validate(parse(*argv))
+    """With one pass per batch: more than one is not combined with greedy slots (below)."""
+    errors = validate(parse(*argv, *([] if "a3g" in argv else ["--train-passes", "1"])))
     assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
 
 
@@ -271,6 +272,13 @@ def test_greedy_slots_are_checked(argv, want):
     (["--train-passes", "2", "--is-clip", "2"],
      ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip; leave it out, or "
       "use --train-passes 1"]),
+    (["--is-clip", "2"],  # GA3C mode's default of two passes: the line says so
+     ["--train-passes 2 (GA3C mode default) trains with the clipped surrogate, which is not combined with --is-clip; "
+      "leave it out, or add --train-passes 1"]),
+    (["--greedy-slots", "1"],
+     ["--train-passes 2 (GA3C mode default) trains with the clipped surrogate, which is not combined with "
+      "--greedy-slots; leave it out, or add --train-passes 1"]),
+    (["--is-clip", "2", "--mode", "a3g", "--workers", "2"], ["--is-clip: only GA3C mode has it"]),
     (["--train-passes", "2", "--is-clip", "2", "--greedy-slots", "1"],
      ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip or --greedy-slots; "
       "leave them out, or use --train-passes 1"]),
@@ -302,8 +310,10 @@ def test_rollout_and_game_lengths_that_would_not_do_what_they_say_are_refused(ar
 
 
 @pytest.mark.parametrize("argv, want", [
-    (["--pass-clip", "0.3"], ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; "
-                              "give those too, or leave it out"]),
+    (["--pass-clip", "0.3", "--train-passes", "1"],
+     ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; give those too, or "
+      "leave it out"]),
+    (["--pass-clip", "0.3"], []),  # GA3C mode's default is two passes
     (["--short-game-length", "50"], ["--short-game-length changes nothing here: it is the cut of --short-game-slots "
                                      "K; give that too, or leave it out"]),
     (["--dynamic-seconds", "5"], ["--dynamic-seconds changes nothing here: it is --dynamic's measuring window; give "
@@ -313,7 +323,7 @@ def test_rollout_and_game_lengths_that_would_not_do_what_they_say_are_refused(ar
     (["--pass-clip", "0.3", "--train-passes", "2"], []),
     (["--short-game-length", "50", "--short-game-slots", "1"], []),
     (["--dynamic-seconds", "5", "--dynamic-max", "4", "4", "4", "--dynamic"], []),
-    (["--pass-clip", "0.2", "--short-game-length", "150"],  # the defaults, spelled out: still nothing changes
+    (["--pass-clip", "0.2", "--short-game-length", "150", "--train-passes", "1"],  # spelled out: nothing changes
      ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; give those too, or "
       "leave it out", "--short-game-length changes nothing here: it is the cut of --short-game-slots K; give that "
       "too, or leave it out"]),
@@ -334,7 +344,8 @@ def test_the_start_up_line_names_the_greedy_slots_and_the_factory_leaves_their_g
     from ga3c.agent import AtariEnvFactory
 
     assert greedy_slots_line(parse()) is None
-    a = parse("--agents", "2", "--envs-per-agent", "8", "--short-game-slots", "2", "--greedy-slots", "2")
+    a = parse("--agents", "2", "--envs-per-agent", "8", "--short-game-slots", "2", "--greedy-slots", "2",
+              "--train-passes", "1")
     assert validate(a) == [] and greedy_slots_line(a) == (
         "env slots 2-3 of 16 act greedily, as the monitor does (--greedy-slots): policy-gradient terms weighted by "
         "pi(a), games not counted as learner games")
@@ -525,3 +536,14 @@ def test_an_empty_env_config_is_named_as_empty_not_as_a_folder():
     """``Path('')`` is the current folder: ``--env-config ''`` was reported as "is a folder"."""
     assert validate(parse("--env-config", "")) == [
         "--env-config is empty: give the crop table's path (default: the repository's config.json)"]
+
+
+def test_ray_with_ga3c_mode_is_one_line_however_the_schedule_came():
+    """GA3C mode's default --lr-anneal-steps is no second line beside "--ray-address: only A3G mode has it"; a
+    schedule the command line gives still gets its own line."""
+    from config import validate_ray
+    assert validate_ray(parse("--mode", "ga3c", "--ray-address", "local")) == []
+    for flag in ("--lr-anneal-steps", "--entropy-anneal-steps"):
+        assert validate_ray(parse("--mode", "ga3c", "--ray-address", "local", flag, "100")) == [
+            f"{flag} needs the global step count in every worker, which Ray nodes do not have: drop {flag} or "
+            f"--ray-address"]

@@ -132,7 +132,7 @@ def test_greedy_slots_in_a_run_are_logged_trained_on_and_left_out_of_the_learner
     trains and ends, the checkpoint keeps the flag, and the games it counts are results.txt's (which slots count is
     ``AtariEnvFactory.counts_games``, tested in test_config.py)."""
     r = run_entry("main.py", *GA3C, *COMMON, "3", "--short-game-slots", "1", "--short-game-length", "10",
-                  "--greedy-slots", "1", *dirs(tmp_path), cwd=tmp_path)
+                  "--greedy-slots", "1", "--train-passes", "1", *dirs(tmp_path), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert ("env slot 1 of 4 acts greedily, as the monitor does (--greedy-slots): policy-gradient terms weighted by "
             "pi(a), games not counted as learner games") in r.stdout

@@ -31,7 +31,11 @@ the moving average the trainer keeps (``main.start_average``'s, as ``Ga3cRun`` h
 every update, the previous one blended toward the new shared weights by ``1 - exp(-steps / N)``. After every
 update each tensor's handed-off gradient is compared with the reference's (relative 1e-3), then the weights. The
 reference takes gamma, tau, the coefficients and the clips from the flags, not from ``Ga3cSettings`` as the
-server does, and the optimizers' eps from ``--optimizer-eps``.
+server does, the optimizers' eps from ``--optimizer-eps``, and each step's learning rate from GA3C mode's default
+schedule (``--lr-anneal-steps 1500000``) at the run's global steps: a few hundred steps into it, the rate differs
+from ``--lr`` by about 2e-4 of itself, which moves the weights by less than the tolerance but, through max-pool
+near-ties and the clip's edges, moves later gradients by more (test_schedules.py tests the schedule itself). The
+cases run GA3C mode's default of two passes per batch unless they give ``--train-passes``.
 """
 import dataclasses
 import math
@@ -47,6 +51,7 @@ from ga3c.server import build_server
 from ga3c.settings import Ga3cSettings
 from main import start_average
 from model import A3Clstm
+from schedules import linear_anneal
 from shared_optim import make_optimizer
 
 UPDATES = 3
@@ -74,17 +79,18 @@ def reference_optimizer(name, params, lr, amsgrad, eps=None):
 
 
 R = "--replay-activations"
-CASES = [  # (optimizer, amsgrad, shared, extra flags)
+P1 = ["--train-passes", "1"]  # one optimizer step per batch, the plain A3C loss (the default is two passes)
+CASES = [  # (optimizer, amsgrad, shared, extra flags); every case with GA3C mode's learning-rate schedule
     ("Adam", False, True, [R]), ("Adam", True, True, [R]), ("RMSprop", False, True, [R]),
-    ("Adam", False, False, [R]), ("Adam", True, False, [R]), ("RMSprop", False, False, [R]),
-    ("Adam", False, True, [R, "--max-grad-norm", "0.5"]),
-    ("Adam", True, True, [R, "--is-clip", "1.0"]),
-    ("Adam", False, True, ["--ema-steps", "50"]),  # the default (every frame's convolutions run again), averaged
-    ("RMSprop", False, True, ["--max-grad-norm", "0.5", "--is-clip", "10", "--tau", "0.92", "--gamma", "0.95"]),
+    ("Adam", False, False, [R, *P1]), ("Adam", True, False, [R, *P1]), ("RMSprop", False, False, [R, *P1]),
+    ("Adam", False, True, [R, *P1, "--max-grad-norm", "0.5"]),
+    ("Adam", True, True, [R, *P1, "--is-clip", "1.0"]),
+    ("Adam", False, True, [*P1, "--ema-steps", "50"]),  # every frame's convolutions run again, averaged
+    ("RMSprop", False, True, [*P1, "--max-grad-norm", "0.5", "--is-clip", "10", "--tau", "0.92", "--gamma", "0.95"]),
     # slot 0 acts greedily: its policy terms weighted by pi(a). Seed 3: with seeds 1 and 2 one conv4 max-pool window
     # (of 16,384) comes within 3e-7 of a tie at the third update, which the contiguous and the channels-last kernels
     # break differently, so the conv gradients differ by up to 7e-3: another valid subgradient, not a defect.
-    ("Adam", False, True, ["--greedy-slots", "1", "--seed", "3"]),
+    ("Adam", False, True, [*P1, "--greedy-slots", "1", "--seed", "3"]),
     # three optimizer steps per batch, each on the clipped surrogate's gradient at the weights the last one left;
     # the first pass replays the saved activations, the later ones (the weights moved) run the convolutions again
     ("Adam", False, True, [R, "--train-passes", "3"]),
@@ -94,9 +100,9 @@ CASES = [  # (optimizer, amsgrad, shared, extra flags)
     # the average blends once per batch; seed 3, as above (seed 1 meets a max-pool near-tie in the second batch)
     ("Adam", False, True, ["--train-passes", "3", "--ema-steps", "50", "--seed", "3"]),
     # the loss's other coefficients and the optimizer's eps, shared and in the server's private optimizer
-    ("Adam", False, True, [R, "--value-coef", "0.25", "--entropy-coef", "0.05", "--optimizer-eps", "1e-5"]),
-    ("Adam", False, False, ["--optimizer-eps", "1e-5", "--hidden-size", "64"]),
-    ("RMSprop", False, True, [R, "--optimizer-eps", "0.01", "--value-coef", "1.0"]),
+    ("Adam", False, True, [R, *P1, "--value-coef", "0.25", "--entropy-coef", "0.05", "--optimizer-eps", "1e-5"]),
+    ("Adam", False, False, [*P1, "--optimizer-eps", "1e-5", "--hidden-size", "64"]),
+    ("RMSprop", False, True, [R, *P1, "--optimizer-eps", "0.01", "--value-coef", "1.0"]),
     # every pass's gradient clipped
     ("Adam", False, True, [R, "--train-passes", "2", "--max-grad-norm", "0.5", "--seed", "3"]),
 ]
@@ -117,6 +123,7 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
     assert validate_ga3c(args) == []
     settings = Ga3cSettings.from_args(args)
     assert settings.replay_activations == (R in extra)
+    assert args.lr_anneal_steps == 1_500_000 and settings.lr_anneal_steps == 1_500_000  # GA3C mode's default
 
     # main.py
     factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
@@ -207,6 +214,8 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
                 if args.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(ref_params, args.max_grad_norm)
                     assert norm > args.max_grad_norm, f"update {u}: the gradient (norm {norm:.3g}) is not clipped"
+                for group in ref_opt.param_groups:  # the schedule at the run's global steps (no agent steps between)
+                    group["lr"] = linear_anneal(args.lr, int(run.counters.agent_steps.sum()), args.lr_anneal_steps)
                 ref_opt.step()
 
             for key, sp, rp in zip(names, shared_model.parameters(), ref_params):

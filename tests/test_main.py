@@ -322,7 +322,8 @@ def test_a_folder_where_the_checkpoint_would_be_is_refused_on_a_resume_into_the_
                                           (["--lr-anneal-steps", "500"], "the end of --lr-anneal-steps 500: pass a "
                                                                          "larger --lr-anneal-steps (and --max-steps, "
                                                                          "where given: a run stops at the end of its "
-                                                                         "schedule)")])
+                                                                         "schedule), or --lr-anneal-steps 0 for a "
+                                                                         "constant --lr,")])
 def test_a_resume_already_at_its_step_limit_is_refused(tmp_path, models, extra, limit):
     """A checkpoint at or past the run's last step: one line and nothing written, not a run that stops at once
     and rewrites the checkpoint."""
@@ -335,6 +336,75 @@ def test_a_resume_already_at_its_step_limit_is_refused(tmp_path, models, extra, 
     (line,) = bad(tmp_path, "--load", *extra)
     assert line == f"main.py: error: --load: {ckpt} is at 500 global steps, already at {limit} to train on"
     assert ckpt.read_bytes() == before and sorted(p.name for p in models.iterdir()) == [ckpt.name]
+
+
+@pytest.mark.parametrize("config, extra, want", [
+    # before --lr-anneal-steps and --train-passes existed (a GA3C checkpoint at 2M steps): a constant rate, one pass
+    ({"mode": "ga3c"}, [], (0, 1, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 and --train-passes 1 (GA3C "
+                                              "mode's defaults are 1,500,000 and 2; give the flags to change them)")),
+    ({"mode": "ga3c", "lr_anneal_steps": 3_000_000, "train_passes": 2}, [],
+     (3_000_000, 2, 3_000_000, "kept the checkpoint's --lr-anneal-steps 3,000,000 (GA3C mode's default is 1,500,000; "
+                               "give the flag to change it)")),
+    ({"mode": "ga3c", "lr_anneal_steps": 1_500_000, "train_passes": 2}, ["--lr-anneal-steps", "4000000"],
+     (4_000_000, 2, 4_000_000, "")),  # given: the command line's
+    ({"mode": "ga3c"}, ["--lr-anneal-steps", "3000000", "--max-steps", "2500000"],
+     (3_000_000, 1, 2_500_000, "kept the checkpoint's --train-passes 1 (GA3C mode's default is 2; give the flag to "
+                               "change it)")),
+    ({"mode": "ga3c"}, ["--max-steps", "2500000", "--train-passes", "3"],
+     (0, 3, 2_500_000, "kept the checkpoint's --lr-anneal-steps 0 (GA3C mode's default is 1,500,000; give the flag "
+                       "to change it)")),  # the given --max-steps, cut to 1.5M by the default, comes back
+    ({"mode": "a3g", "lr_anneal_steps": 2_500_000}, ["--mode", "a3g"],
+     (2_500_000, 1, 2_500_000, "kept the checkpoint's --lr-anneal-steps 2,500,000 (A3G mode's default is 0; give the "
+                               "flag to change it)")),
+    ({"mode": "a3g"}, [], (0, 2, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 (GA3C mode's default is "
+                                             "1,500,000; give the flag to change it)")),  # A3G's into GA3C mode
+    # a run started with --is-clip (one pass then) resumed with its own command: the check sees the kept pass
+    ({"mode": "ga3c", "is_clip": 2.0}, ["--is-clip", "2"],
+     (0, 1, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 and --train-passes 1 (GA3C mode's defaults are "
+                        "1,500,000 and 2; give the flags to change them)"))])
+def test_a_resume_keeps_the_checkpoints_schedule_and_passes_unless_given(tmp_path, models, config, extra, want):
+    """A checkpoint from before GA3C mode's defaults became --lr-anneal-steps 1500000 --train-passes 2 (at 2M
+    steps, past that schedule's end) goes on as it was started: resumed with the same command, it was refused as
+    already at the end of a schedule it never had, or (below 1.5M) went on at another rate and number of passes."""
+    import main
+    from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION
+    from config import build_parser
+    from model import A3Clstm
+    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "env": "PongNoFrameskip-v4",
+                "model": A3Clstm(1, 6, 512).state_dict(), "optimizer": None, "global_steps": 2_000_000,
+                "config": {"env": "PongNoFrameskip-v4", **config}}, models / "PongNoFrameskip-v4.ckpt")
+    args = build_parser().parse_args([*dirs(tmp_path), "--load", *extra])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        main.check_before_start(args)
+    assert (args.lr_anneal_steps, args.train_passes, args.max_steps, args._kept_line) == want
+
+
+def test_a_flag_that_the_kept_single_pass_makes_useless_is_refused(tmp_path, models):
+    """--pass-clip passes the first check against GA3C mode's default of two passes; the checkpoint's one pass,
+    kept, leaves it changing nothing: refused in one line, as without --load."""
+    from checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION
+    from model import A3Clstm
+    torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "env": "PongNoFrameskip-v4",
+                "model": A3Clstm(1, 6, 512).state_dict(), "optimizer": None, "global_steps": 2_000_000,
+                "config": {"env": "PongNoFrameskip-v4", "mode": "ga3c"}}, models / "PongNoFrameskip-v4.ckpt")
+    (line,) = bad(tmp_path, "--load", "--pass-clip", "0.3")
+    assert line == ("main.py: error: --pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or "
+                    "more; give those too, or leave it out")
+
+
+def test_a_given_max_steps_cut_by_the_schedule_is_named(tmp_path):
+    from config import build_parser, max_steps_cut_line, validate
+    args = build_parser().parse_args(["--max-steps", "10000000"])
+    assert validate(args) == [] and args.max_steps == 1_500_000
+    assert max_steps_cut_line(args) == ("--max-steps 10,000,000 is cut to 1,500,000, the end of --lr-anneal-steps "
+                                        "(the learning rate is 0 from there): give --lr-anneal-steps 10,000,000 to "
+                                        "anneal over the whole run, or 0 for a constant --lr")
+    for argv in ([], ["--max-steps", "1000000"], ["--max-steps", "10000000", "--lr-anneal-steps", "0"],
+                 ["--max-steps", "10000000", "--mode", "a3g"], ["--max-steps", "0"]):  # the default cut, no cut,
+        # no schedule, or "no limit" (the start line says where the run stops)
+        args = build_parser().parse_args(argv)
+        assert validate(args) == [] and max_steps_cut_line(args) is None, argv
 
 
 def test_a_run_loads_a_float16_file_and_saves_float32(tmp_path, models):
@@ -814,10 +884,10 @@ def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv
     ({"mode": "ga3c", "train_passes": 3, "pass_clip": 0.2}, ["--train-passes", "3", "--pass-clip", "0.1"],
      "the checkpoint was trained with --train-passes 3 --pass-clip 0.2; this run goes on with --train-passes 3 "
      "--pass-clip 0.1"),
-    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, [],
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, ["--train-passes", "1"],
      "the checkpoint was trained with --train-passes 2 --pass-clip 0.2; this run goes on with --train-passes 1"),
-    ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, [], ""),  # unused with one pass
-    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, ["--train-passes", "2"], ""),
+    ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, ["--train-passes", "1"], ""),  # unused with one pass
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, [], ""),  # GA3C mode's default
     ({"mode": "a3g"}, ["--train-passes", "2"], ""),  # the mode line says it
 ])
 def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv, line):
@@ -839,9 +909,10 @@ def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv,
      ["--short-game-slots", "2", "--short-game-length", "100"],
      "the checkpoint was trained with --short-game-slots 2 --short-game-length 150; this run goes on with "
      "--short-game-slots 2 --short-game-length 100"),
-    ({"mode": "ga3c", "short_game_slots": 0, "short_game_length": 90, "greedy_slots": 0}, ["--greedy-slots", "2"],
+    ({"mode": "ga3c", "short_game_slots": 0, "short_game_length": 90, "greedy_slots": 0},
+     ["--greedy-slots", "2", "--train-passes", "1"],
      "the checkpoint was trained with no short-game or greedy slots; this run goes on with --greedy-slots 2"),
-    ({"mode": "a3g"}, ["--greedy-slots", "2"], ""),  # the mode line says it
+    ({"mode": "a3g"}, ["--greedy-slots", "2", "--train-passes", "1"], ""),  # the mode line says it
 ])
 def test_a_resumed_ga3c_checkpoint_with_other_short_game_or_greedy_slots_is_named(saved, argv, line):
     from config import build_parser, validate
@@ -961,6 +1032,21 @@ def test_the_resume_command_after_a_step_limit_goes_past_where_the_run_stopped()
     assert shlex.split(resume_command(argv, args, "reached --max-steps 5", steps=21))[-3:] == ["--max-steps", "26",
                                                                                                 "--load"]
     assert shlex.split(resume_command(argv, args, "reached --max-steps 5", steps=6))[-3:-1] == ["--max-steps", "11"]
+
+
+def test_the_resume_command_at_the_schedules_end_anneals_past_where_the_run_stopped():
+    """At the end of --lr-anneal-steps: the schedule about twice as long, and past the steps the run reached (a
+    batch past a small schedule's end: twice it was refused by the --load it was printed for), without any
+    --max-steps, which would cut it again."""
+    from config import build_parser
+    from main import resume_command
+    argv = ["--env", "PongNoFrameskip-v4", "--lr-anneal-steps", "100", "--max-steps", "900", "--target-score", "5"]
+    args = build_parser().parse_args(argv)
+    end = "reached the end of --lr-anneal-steps 100 (the learning rate is 0)"
+    assert shlex.split(resume_command(argv, args, end, steps=350)) == [
+        "python", "main.py", "--env", "PongNoFrameskip-v4", "--target-score", "5", "--lr-anneal-steps", "450", "--load"]
+    assert shlex.split(resume_command(argv, args, end, steps=100))[-3:] == ["--lr-anneal-steps", "200", "--load"]
+    assert shlex.split(resume_command(argv, args, end, steps=200))[-3:] == ["--lr-anneal-steps", "300", "--load"]
 
 
 def test_a_checkpoint_of_another_game_is_refused_and_another_id_of_the_same_game_is_not(tmp_path):

@@ -45,15 +45,17 @@ CONV_TOL, AFTER_FEATURES_TOL = 0.03, 3e-5  # per tensor, against the slow bf16 r
 FP32_WHOLE, FP32_COSINE = 0.25, 0.97  # against the float32 reference
 
 
-def assert_matches_references(shared_model, acted: dict, update_index: int, backward) -> None:
-    """The gradients handed to ``shared_model`` against both references (module docstring), each a fresh model
-    with the ``acted`` weights on which ``backward(model)`` computes the reference gradient."""
+def assert_matches_references(shared_model, acted: dict, update_index: int, backward, grads=None) -> None:
+    """The gradients handed to ``shared_model`` (or ``grads``, one per parameter, as handed to it for one step)
+    against both references (module docstring), each a fresh model with the ``acted`` weights on which
+    ``backward(model)`` computes the reference gradient."""
     n, hidden = shared_model.num_actions, shared_model.hidden_size
+    grads = [p.grad for p in shared_model.parameters()] if grads is None else grads
     for dtype in (torch.bfloat16, torch.float32):
         ref = A3Clstm(1, n, hidden).channels_last().set_precision(dtype)
         ref.load_state_dict(acted)
         backward(ref)
-        pairs = [(k, p.grad, q.grad) for (k, p), q in zip(shared_model.named_parameters(), ref.parameters())]
+        pairs = [(k, g, q.grad) for (k, _), g, q in zip(shared_model.named_parameters(), grads, ref.parameters())]
         if dtype == torch.bfloat16:
             for key, got, want in pairs:
                 err = float((got - want).norm() / want.norm())
@@ -226,8 +228,12 @@ def test_a3g_bf16_update_matches_the_references(tmp_path, name, amsgrad):
         env.close()
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["default", "replay-activations"])
-def test_ga3c_bf16_update_matches_the_references(tmp_path, replay):
+@pytest.mark.parametrize("replay, passes", [(False, None), (True, None), (False, 1)],
+                         ids=["default", "replay-activations", "train-passes-1"])
+def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes):
+    """Every optimizer step of the server's trainer in bf16 (GA3C mode's default of two per batch, the second on the
+    clipped surrogate at the weights the first left; or one) hands over the gradient of both references at the
+    weights it stepped from."""
     from conftest import collect_batch, segments_reference_backward
     from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
     from ga3c.run import Ga3cRun
@@ -237,10 +243,12 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path, replay):
     args = build_parser().parse_args([
         "--mode", "ga3c", "--precision", "bf16", "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
         "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--log-dir", str(tmp_path),
-        "--save-model-dir", str(tmp_path)] + (["--replay-activations"] if replay else []))
+        "--save-model-dir", str(tmp_path)] + (["--replay-activations"] if replay else [])
+        + (["--train-passes", str(passes)] if passes else []))
     assert validate(args) == [] and args.compute_precision == "bf16" and args.replay_activations == replay
     settings = Ga3cSettings.from_args(args)
-    assert settings.compute_precision == "bf16"
+    assert settings.compute_precision == "bf16" and settings.train_passes == (passes or 2)
+    clip = settings.train_passes > 1 and settings.pass_clip
     factory = AtariEnvFactory(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed)
     envs = [factory(s) for s in range(args.envs_per_agent)]
     n = envs[0].action_space.n
@@ -259,22 +267,33 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path, replay):
         stepper = AgentStepper(0, [EnvRunner(s, envs[s], run.buffers, args.seed + s) for s in range(len(envs))],
                                run.buffers, run.counters)
         stepper.begin()
+        stepped = []  # each optimizer step's weights before it and the gradients handed to it
+        real_step = trainer.optimizer.step
+
+        def recording_step(*a, **k):
+            stepped.append(({k: v.clone() for k, v in shared_model.state_dict().items()},
+                            [p.grad.clone() for p in shared_model.parameters()]))
+            return real_step(*a, **k)
+
+        trainer.optimizer.step = recording_step
         for u in range(3):
-            acted = {k: v.clone() for k, v in shared_model.state_dict().items()}
+            stepped.clear()
             batch = collect_batch(predictor, stepper, server.segments, settings.train_batch)
             if replay:  # the predictor saved bf16 activations, which the trainer replays
                 assert all(seg.acts is not None and seg.acts[0].dtype == torch.bfloat16 for seg in batch)
             else:
                 assert all(seg.acts is None for seg in batch)
             result = trainer.update(batch)
-            assert result.lag_max == 0
+            assert result.lag_max == settings.train_passes - 1  # a later pass steps from weights moved since acting
             assert {t.dtype for t in result.loss} == {torch.float32}
             assert_float32_state(shared_model, optimizer)
             server.open_segments.clear()  # no policy lag in the next batch
             while not server.segments.empty():
                 server.segments.get_nowait()
-            assert_matches_references(shared_model, acted, u,
-                                      lambda ref: segments_reference_backward(ref, batch, **kw))
+            assert len(stepped) == settings.train_passes
+            for k, (weights, grads) in enumerate(stepped):
+                assert_matches_references(shared_model, weights, f"{u} pass {k}", grads=grads, backward=lambda ref: (
+                    segments_reference_backward(ref, batch, **kw, pass_clip=clip or None)))
     finally:
         for env in envs:
             env.close()

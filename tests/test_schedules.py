@@ -9,6 +9,7 @@ call wrapped to record the entropy weight it is given; then the flags' validatio
 GA3C mode, resumed with a longer schedule and with another ``--lr``.
 """
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -172,7 +173,10 @@ def test_ga3c_trainer_steps_with_the_linear_anneal(tmp_path, shared_optimizer, n
         check = CheckedStep(trainer.optimizer, shared.parameters(), args.lr, 1000, steps, name, amsgrad)
         for _ in range(3):
             trainer.update(collect_batch(predictor, stepper, server.segments, 2))
-        assert len(check.lrs) == 3 and all(a >= b for a, b in zip(check.lrs, check.lrs[1:]))
+        passes = args.train_passes  # GA3C mode's default: two optimizer steps per batch, each at the schedule's lr
+        # for the global steps when it steps (the same for both here: no agent steps between them)
+        assert passes == 2 and len(check.lrs) == 3 * passes and all(a >= b for a, b in zip(check.lrs, check.lrs[1:]))
+        assert all(check.lrs[k] == check.lrs[k + 1] for k in range(0, len(check.lrs), passes))
         assert 0 < check.lrs[-1] < check.lrs[0] <= 0.7 * args.lr - 1e-3 * 16 / 1000  # 300 + at least 16 steps
         assert trainer.optimizer.param_groups[0]["lr"] == check.lrs[-1]
     finally:
@@ -209,10 +213,12 @@ def run_main(tmp_path, *flags):
 
 
 def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
-    out = run_main(tmp_path, "--lr-anneal-steps", "100", "--entropy-anneal-steps", "60")
+    out = run_main(tmp_path, "--lr-anneal-steps", "100", "--entropy-anneal-steps", "60", "--max-steps", "5000")
     assert "stop at 100 steps" in out
+    assert ("--max-steps 5,000 is cut to 100, the end of --lr-anneal-steps (the learning rate is 0 from there): give "
+            "--lr-anneal-steps 5,000 to anneal over the whole run, or 0 for a constant --lr") in out
     assert "stopped: reached the end of --lr-anneal-steps 100 (the learning rate is 0)" in out
-    assert "resume with:" not in out and "resume (--load) with a larger --lr-anneal-steps" in out
+    assert "resume with:" not in out
     assert "entropy bonus 0.01 annealed linearly to 0 at 60 global steps (now 0.01)" in out
     status = [line for line in out.splitlines() if " | updates " in line]
     assert status and re.search(r"\| lr [\d.e-]+ \| entropy-coef [\d.e-]+ \| (?:fp32|bf16)$", status[-1]), status
@@ -224,6 +230,26 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert steps >= 100
     # the trainers anneal their process's copy of the optimizer's settings; the checkpoint's is main's: --lr
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 0.001 and ckpt["optimizer"]["state"]
+    # the stop line's command, run as printed: the schedule over twice the steps, from where the run stopped
+    from main import longer_schedule
+    longer = longer_schedule(100, steps)  # 200, or past where the run stopped if it went that far
+    advice = re.search(r"to train on with the learning rate annealed over about twice the steps \(it goes on at "
+                       rf"([\d.e-]+), then falls to 0 at {longer:,}\): (python .+ --load); or give --lr-anneal-steps "
+                       r"0 instead for a constant --lr 0.001$", out, re.M)
+    assert advice and float(advice.group(1)) == pytest.approx(linear_anneal(0.001, steps, longer), rel=1e-2), \
+        out[-2000:]
+    argv = shlex.split(advice.group(2))
+    assert argv[:2] == ["python", "main.py"] and argv[-3:] == ["--lr-anneal-steps", str(longer), "--load"]
+    assert "--max-steps" not in argv  # it would cut the longer schedule again
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    now = float(re.search(rf"annealed linearly to 0 at {longer:,} global steps \(now ([\d.e-]+)\)", out).group(1))
+    assert now == pytest.approx(linear_anneal(0.001, steps, longer), rel=1e-2) and now > 0
+    assert f"stopped: reached the end of --lr-anneal-steps {longer:,} (the learning rate is 0)" in out
+    ckpt = torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)
+    assert ckpt["global_steps"] >= longer and ckpt["config"]["lr_anneal_steps"] == longer
+    steps = ckpt["global_steps"]
     # a longer schedule goes on from the checkpoint's steps (--max-steps below its end stops the run early), from
     # the command line's --lr; the checkpoint kept the unannealed 0.001, so the log names that as the change
     out = run_main(tmp_path, "--lr-anneal-steps", "1000", "--lr", "0.002", "--max-steps", str(steps + 100), "--load",
@@ -233,7 +259,7 @@ def test_main_anneals_stops_at_the_end_and_resumes_with_the_schedule(tmp_path):
     assert "the command line changes the checkpoint's lr 0.001 -> 0.002, eps 0.001 -> 1e-05" in out
     assert torch.load(tmp_path / "m" / "PongNoFrameskip-v4.ckpt", weights_only=False)["optimizer"]["param_groups"][0][
         "eps"] == 1e-05  # the trainers stepped the optimizer main.py built with --optimizer-eps
-    assert ("the command line changes the checkpoint's schedule: --lr-anneal-steps 100 -> 1,000, "
+    assert (f"the command line changes the checkpoint's schedule: --lr-anneal-steps {longer:,} -> 1,000, "
             "--entropy-anneal-steps 60 -> 0") in out
     assert f"stopped: reached --max-steps {steps + 100:,}" in out
     # every other training flag the command line changes is named (before: --gamma went to 0.95 without a word)
@@ -291,10 +317,11 @@ def test_ga3c_trainer_anneals_the_entropy_bonus(tmp_path, monkeypatch):
         stepper.begin()
         for _ in range(2):
             trainer.update(collect_batch(predictor, stepper, server.segments, 2))
-        assert len(seen) == 2
+        assert args.train_passes == 2 and len(seen) == 2 * 2  # each pass at the weight for the steps then
+        # (the same for an update's two passes here: the agent does not step between them)
         for coef, steps in seen:
             assert steps > 500 and coef == pytest.approx(0.01 * (1 - steps / 1000))
-        assert seen[1][0] < seen[0][0] < 0.005
+        assert seen[0] == seen[1] and seen[2] == seen[3] and seen[2][0] < seen[0][0] < 0.005
     finally:
         for env in envs:
             env.close()
