@@ -286,7 +286,8 @@ def test_dynamic_changes_the_counts_within_its_bounds_and_logs_each_change(tmp_p
     assert events and re.match(r"NT 1 NP 1 NA 2: \d+ trained steps/s", events[0]), r.stdout[-3000:]
     tried = [tuple(map(int, m)) for m in re.findall(r"try NT (\d+) NP (\d+) NA (\d+)", r.stdout)]
     assert tried and all(1 <= nt <= 2 and 1 <= np_ <= 2 and 1 <= na <= 3 for nt, np_, na in tried)
-    shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+) \| (?:fp32|bf16)$", r.stdout, re.MULTILINE)}
+    shown = {tuple(map(int, m)) for m in re.findall(r"NT (\d+) NP (\d+) NA (\d+) \|(?: lr [\d.e-]+ \|)? (?:fp32|bf16)$",
+                                                     r.stdout, re.MULTILINE)}  # the schedule's lr where annealed
     assert len(shown) >= 2  # the status lines saw more than one setting
     assert "exited unexpectedly" not in r.stdout
 
