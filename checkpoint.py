@@ -351,14 +351,18 @@ def played_state_dict(obj: dict, path: str | Path) -> dict:
     return state_dict_of(obj, path)
 
 
+def is_count(x) -> bool:
+    """A step or game count a checkpoint may hold: an int (not a bool) that fits the run's int64 counters."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 63
+
+
 def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     """Raise ``ModelFileError`` unless every field a resume reads has the type and shape it needs (the model
     itself is checked by ``state_dict_of`` and ``check_state_dict``)."""
     def bad(field: str, what: str):
         raise ModelFileError(f"checkpoint {path} is damaged: '{field}' {what}")
 
-    def count(x) -> bool:  # the run's counters are int64 in shared memory
-        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 63
+    count = is_count
 
     def finite(x) -> bool:
         try:

@@ -461,6 +461,11 @@ def run_folder_name(args: argparse.Namespace) -> str:
     return safe_name(args.env) + suffix
 
 
+def load_folder(args: argparse.Namespace) -> str:
+    """Where ``--load`` looks: ``--load-model-dir``, else ``--save-model-dir``, else the run's default folder."""
+    return args.load_model_dir or args.save_model_dir or str(Path("runs") / run_folder_name(args))
+
+
 def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the training configuration, each as one line (empty when all is well)."""
     if args.log_dir is None:  # before validate_common, whose default (evaluation's) has no mode in it
@@ -472,7 +477,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.save_model_dir is None:
         args.save_model_dir = str(Path("runs") / run_folder_name(args))
     if args.load_model_dir is None:
-        args.load_model_dir = args.save_model_dir
+        args.load_model_dir = load_folder(args)
     elif args.load and Path(args.load_model_dir).is_file():
         errors.append(f"--load-model-dir '{args.load_model_dir}' is a file, not a folder: give the folder that holds "
                       f"<env>.ckpt or <env>.dat")

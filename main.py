@@ -48,11 +48,11 @@ import torch  # noqa: E402
 from a3g.run import A3gRun, shutdown  # noqa: E402
 from averaging import average_line, make_average  # noqa: E402
 from checkpoint import (CheckpointWriteError, ModelFileError, RunLock, RunLockedError, card_of_this_file,  # noqa: E402
-                        check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, model_path,
-                        read_weights, remove_stale_temp_files, state_dict_of, write_errors)
+                        check_checkpoint, check_state_dict, checkpoint_path, file_sha256, is_checkpoint, is_count,
+                        model_path, read_weights, remove_stale_temp_files, state_dict_of, write_errors)
 from config import (build_parser, policy_lag_warnings, precision_warnings, results_txt, run_folder_name,  # noqa: E402
-                    cut_to_schedule, greedy_slots_line, max_steps_cut_line, short_games_line, train_envs_line,
-                    validate)
+                    cut_to_schedule, greedy_slots_line, load_folder, max_steps_cut_line, short_games_line,
+                    train_envs_line, validate)
 from environment import num_actions  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
@@ -74,9 +74,8 @@ def find_resume_file(args: Namespace) -> Path | None:
 def checkpoint_config(args: Namespace) -> dict | None:
     """The saved configuration of the checkpoint ``--load`` would resume, read ahead of the checks; None where
     there is none or it cannot be read (the checks after it say why, in one line)."""
-    folder = args.load_model_dir or args.save_model_dir or str(Path("runs") / run_folder_name(args))  # as validate
     try:
-        path = checkpoint_path(folder, args.env)
+        path = checkpoint_path(load_folder(args), args.env)
         obj = read_weights(path) if path.is_file() else None
     except Exception:  # noqa: BLE001 - any file or flag it cannot read is reported by check_before_start
         return None
@@ -429,7 +428,7 @@ def keep_checkpoint_schedule(saved_config: dict, args: Namespace) -> str:
     given = getattr(args, "_given", ("lr_anneal_steps", "train_passes"))  # a Namespace not parsed: all given
     kept = []
     def count(value, least):  # a damaged value is not kept: check_checkpoint refuses the file in one line
-        return type(value) is int and value >= least
+        return is_count(value) and value >= least
 
     if "lr_anneal_steps" not in given and args.ray_address is None:  # Ray mode has no schedule (validate_ray)
         was = saved_config.get("lr_anneal_steps", 0)
