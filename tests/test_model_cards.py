@@ -1046,3 +1046,30 @@ def test_a_card_whose_evaluations_showed_other_frames_than_it_says_is_reported(r
     card = json.loads(path.read_text())
     path.write_text(json.dumps(dict(card, see_skipped_frames=value), indent=2))
     assert expected in card_problems(repo_copy / "trained_models", repo_copy)
+
+
+def test_a_missing_model_names_the_models_of_the_same_game_trained_on_other_ids(tmp_path):
+    """``gym_eval.py --env PongNoFrameskip-v0`` with no model of that id and none whose card lists it: the one
+    line names the Pong models there and the ids they were trained on (a card's ``env``, else the file's name),
+    not those of other games or of the id asked for."""
+    from gym_eval import same_game_models
+    models = tmp_path / "models"
+    models.mkdir()
+    for stem in ("PongNoFrameskip-v4", "ALE_Pong-v5", "BreakoutNoFrameskip-v4", "my_pong"):
+        (models / f"{stem}.dat").write_bytes(b"model")
+    (models / "my_pong.json").write_text(json.dumps({"model_file": "my_pong.dat", "env": "Pong-v0"}))
+    (models / "ALE_Pong-v5.json").write_text(json.dumps({"model_file": "other.dat", "env": "Pong-v0"}))  # not its card
+    assert same_game_models(models, "PongNoFrameskip-v0") == [
+        ("ALE_Pong-v5", "ALE/Pong-v5"), ("PongNoFrameskip-v4", "PongNoFrameskip-v4"), ("my_pong", "Pong-v0")]
+    assert same_game_models(models, "PongNoFrameskip-v4") == [("ALE_Pong-v5", "ALE/Pong-v5"), ("my_pong", "Pong-v0")]
+    assert same_game_models(models, "SeaquestNoFrameskip-v4") == []
+    assert same_game_models(models, "NoSuchGame-v0") == []
+    r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v0", "--load-model-dir", str(models), "--log-dir",
+                  str(tmp_path / "l"), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.rstrip().endswith(
+        f"; {models} has Pong models trained on other ids, for --model-file: ALE_Pong-v5 (ALE/Pong-v5), "
+        f"PongNoFrameskip-v4 (PongNoFrameskip-v4), my_pong (Pong-v0))"), r.stderr
+    r = run_entry("gym_eval.py", "--env", "SeaquestNoFrameskip-v4", "--load-model-dir", str(models), "--log-dir",
+                  str(tmp_path / "l"), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.rstrip().endswith("pass --model-file / --load-model-dir)"), r.stderr
