@@ -152,24 +152,30 @@ def game_of(env_id: str) -> str | None:
 
 
 def same_game_models(load_model_dir: str | Path, env_id: str) -> list[tuple[str, str]]:
-    """The models in ``load_model_dir`` of ``env_id``'s game trained on another id, in name order, as ``(name for
-    --model-file, the id it was trained on)``: each ``<stem>.dat`` with the id its card gives (``env``, where the
-    card's ``model_file`` names it), else the id its name spells (``ALE_Pong-v5`` -> ``ALE/Pong-v5``)."""
+    """The models in ``load_model_dir`` of ``env_id``'s game but for ``<env>.dat`` itself, in name order, as
+    ``(name for --model-file, the id it was trained on)``: each ``<stem>.dat`` file with the id its card gives
+    (``env``, where the card's ``model_file`` names it), else the id its name spells (``ALE_Pong-v5`` ->
+    ``ALE/Pong-v5``). Names and ids that do not print on one line are left out."""
     game = game_of(env_id)
     found = []
     for model in sorted(Path(load_model_dir).glob("*.dat")) if game is not None else []:
+        if model.stem == safe_name(env_id) or not model.is_file():
+            continue
         card, _ = read_card(model)
         trained_on = (card["env"] if card is not None and card.get("model_file") == model.name
                       and isinstance(card.get("env"), str) else model.stem.replace("ALE_", "ALE/", 1))
-        if trained_on != env_id and game_of(trained_on) == game:
+        if model.stem.isprintable() and trained_on.isprintable() and game_of(trained_on) == game:
             found.append((model.stem, trained_on))
     return found
 
 
+SHOWN_MODELS = 8  # at most this many of the same game's models in a missing model's line
+
+
 def missing_model_hint(args: argparse.Namespace) -> str:
     """What a "does not exist" error adds: where ``--model-file`` was looked for, or the cards that list ``--env``
-    under ``default_for`` but whose model file is not there, and the models of the same game trained on other
-    ids (``same_game_models``), and how to go on."""
+    under ``default_for`` but whose model file is not there, and the models of the same game there
+    (``same_game_models``, the first ``SHOWN_MODELS``), and how to go on."""
     if args.model_file is not None:
         tried = list(dict.fromkeys(str(c) for c in model_candidates(args)))
         return f" (looked for {', '.join(tried)}; pass a path or a name in --load-model-dir)"
@@ -178,8 +184,10 @@ def missing_model_hint(args: argparse.Namespace) -> str:
              f"but {'its' if len(gone) == 1 else 'their'} model file is not there") if gone else ""
     others = same_game_models(args.load_model_dir, args.env)
     if others:
-        named += (f"; {args.load_model_dir} has {game_of(args.env)} models trained on other ids, for --model-file: "
-                  + ", ".join(f"{stem} ({trained_on})" for stem, trained_on in others))
+        more = len(others) - SHOWN_MODELS
+        named += (f"; {args.load_model_dir} has {game_of(args.env)} models, for --model-file (the id each was trained "
+                  "on): " + ", ".join(f"{stem} ({trained_on})" for stem, trained_on in others[:SHOWN_MODELS])
+                  + (f" and {more} more" if more > 0 else ""))
     return f" (train one with main.py, or pass --model-file / --load-model-dir{named})"
 
 

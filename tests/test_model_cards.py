@@ -1048,28 +1048,46 @@ def test_a_card_whose_evaluations_showed_other_frames_than_it_says_is_reported(r
     assert expected in card_problems(repo_copy / "trained_models", repo_copy)
 
 
-def test_a_missing_model_names_the_models_of_the_same_game_trained_on_other_ids(tmp_path):
+def test_a_missing_model_names_the_models_of_the_same_game(tmp_path):
     """``gym_eval.py --env PongNoFrameskip-v0`` with no model of that id and none whose card lists it: the one
     line names the Pong models there and the ids they were trained on (a card's ``env``, else the file's name),
-    not those of other games or of the id asked for."""
-    from gym_eval import same_game_models
+    not those of other games; a card that cannot tell (not JSON, an ``env`` that is not an id's string) leaves
+    the file's name; at most ``SHOWN_MODELS`` are named."""
+    from gym_eval import SHOWN_MODELS, same_game_models
     models = tmp_path / "models"
     models.mkdir()
-    for stem in ("PongNoFrameskip-v4", "ALE_Pong-v5", "BreakoutNoFrameskip-v4", "my_pong"):
+    for stem in ("PongNoFrameskip-v4", "ALE_Pong-v5", "BreakoutNoFrameskip-v4", "my_pong", "mine", "PongNoFrameskip-v0x",
+                 "Pong-v4", "Pong-v0", "PongDeterministic-v4\n"):  # the last: a Pong id, but not on one line
         (models / f"{stem}.dat").write_bytes(b"model")
+    (models / "PongDeterministic-v0.dat").mkdir()  # not a model file
     (models / "my_pong.json").write_text(json.dumps({"model_file": "my_pong.dat", "env": "Pong-v0"}))
+    # trained on the id asked for, under another name: listed
+    (models / "mine.json").write_text(json.dumps({"model_file": "mine.dat", "env": "PongNoFrameskip-v0"}))
     (models / "ALE_Pong-v5.json").write_text(json.dumps({"model_file": "other.dat", "env": "Pong-v0"}))  # not its card
-    assert same_game_models(models, "PongNoFrameskip-v0") == [
-        ("ALE_Pong-v5", "ALE/Pong-v5"), ("PongNoFrameskip-v4", "PongNoFrameskip-v4"), ("my_pong", "Pong-v0")]
-    assert same_game_models(models, "PongNoFrameskip-v4") == [("ALE_Pong-v5", "ALE/Pong-v5"), ("my_pong", "Pong-v0")]
+    (models / "Pong-v4.json").write_text(json.dumps({"model_file": "Pong-v4.dat", "env": 5}))  # not a string: the name
+    (models / "Pong-v0.json").write_text("{not JSON")  # the name
+    (models / "PongNoFrameskip-v0x.json").write_text(json.dumps({"model_file": "PongNoFrameskip-v0x.dat",
+                                                                 "env": ["Pong-v0"]}))  # not an id: left out
+    expected = [("ALE_Pong-v5", "ALE/Pong-v5"), ("Pong-v0", "Pong-v0"), ("Pong-v4", "Pong-v4"),
+                ("PongNoFrameskip-v4", "PongNoFrameskip-v4"), ("mine", "PongNoFrameskip-v0"), ("my_pong", "Pong-v0")]
+    assert same_game_models(models, "PongNoFrameskip-v0") == expected
+    assert ("PongNoFrameskip-v4", "PongNoFrameskip-v4") not in same_game_models(models, "PongNoFrameskip-v4")
     assert same_game_models(models, "SeaquestNoFrameskip-v4") == []
     assert same_game_models(models, "NoSuchGame-v0") == []
+    assert same_game_models(tmp_path / "nowhere", "Pong-v0") == []
     r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v0", "--load-model-dir", str(models), "--log-dir",
                   str(tmp_path / "l"), cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.rstrip().endswith(
-        f"; {models} has Pong models trained on other ids, for --model-file: ALE_Pong-v5 (ALE/Pong-v5), "
-        f"PongNoFrameskip-v4 (PongNoFrameskip-v4), my_pong (Pong-v0))"), r.stderr
+        f"; {models} has Pong models, for --model-file (the id each was trained on): "
+        + ", ".join(f"{stem} ({trained_on})" for stem, trained_on in expected) + ")"), r.stderr
+    for k in range(SHOWN_MODELS):  # named after the six above: two of them shown, six not
+        (models / f"p{k}.dat").write_bytes(b"model")
+        (models / f"p{k}.json").write_text(json.dumps({"model_file": f"p{k}.dat", "env": "ALE/Pong-v5"}))
+    r = run_entry("gym_eval.py", "--env", "PongNoFrameskip-v0", "--load-model-dir", str(models), "--log-dir",
+                  str(tmp_path / "l"), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.rstrip().endswith(", my_pong (Pong-v0), p0 (ALE/Pong-v5), p1 (ALE/Pong-v5) and 6 more)"), r.stderr
     r = run_entry("gym_eval.py", "--env", "SeaquestNoFrameskip-v4", "--load-model-dir", str(models), "--log-dir",
                   str(tmp_path / "l"), cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.rstrip().endswith("pass --model-file / --load-model-dir)"), r.stderr
