@@ -812,7 +812,12 @@ def test_a_model_without_a_card_and_a_card_without_a_model_are_reported(repo_cop
 
 def test_default_for_problems_are_reported(repo_copy):
     models = repo_copy / "trained_models"
-    _edit_card(repo_copy, lambda c: c.update(default_for=["PongNoFrameskip-v0"]))  # evaluated there: fine
+    _edit_card(repo_copy, lambda c: c.update(default_for=["PongNoFrameskip-v0"]))  # evaluated there, but ...
+    assert ("PongNoFrameskip-v4.json: default_for PongNoFrameskip-v0, which Pong-v0.json names too"
+            in card_problems(models, repo_copy))  # ... the shipped Pong-v0.json names it
+    shipped = json.loads((models / "Pong-v0.json").read_text())
+    (models / "Pong-v0.json").write_text(json.dumps({k: v for k, v in shipped.items() if k != "default_for"}))
+    assert card_problems(models, repo_copy) == []
     assert card_problems(models, repo_copy) == []
     _edit_card(repo_copy, lambda c: c.update(default_for=["ALE/Pong-v5"]))
     assert ("PongNoFrameskip-v4.json: default_for ALE/Pong-v5, which the card has no evaluation on"
@@ -1021,6 +1026,7 @@ def test_a_default_for_that_is_not_a_list_or_names_another_file_is_ignored(tmp_p
 
 @pytest.mark.parametrize("env_id,model", [("ALE/Pong-v5", "ALE_Pong-v5.dat"), ("Pong-v0", "Pong-v0.dat"),
                                           ("PongNoFrameskip-v4", "PongNoFrameskip-v4.dat"),
+                                          ("PongNoFrameskip-v0", "Pong-v0.dat"),
                                           ("BreakoutNoFrameskip-v4", "BreakoutNoFrameskip-v4.dat"),
                                           ("BreakoutNoFrameskip-v0", "BreakoutNoFrameskip-v4.dat"),
                                           ("SpaceInvadersNoFrameskip-v4", "SpaceInvadersNoFrameskip-v4.dat"),
