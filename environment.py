@@ -43,7 +43,7 @@ MAX_OVER_FRAMES = 3  # upstream A3G maxes over the last 3 raw frames (baselines 
 # purpose (upstream's protocols), so the notice is not printed once per environment and process
 _OUT_OF_DATE = r".*The environment \S+ is out of date"
 
-_ID_RE = re.compile(r"^(?P<ale>ALE/)?(?P<game>[A-Za-z0-9]+?)(?P<variant>NoFrameskip|Deterministic)?-v(?P<version>\d+)$")
+_ID_RE = re.compile(r"^(?P<ale>ALE/)?(?P<game>[A-Za-z0-9]+?)(?P<variant>NoFrameskip|Deterministic)?-v(?P<version>\d+)\Z")
 
 
 class EnvIdError(ValueError):
@@ -102,7 +102,7 @@ def resolve_env_id(env_id: str) -> EnvSpec:
             return EnvSpec(env_id, m.group("game"), base, kw, False, skip, rap)
     close = difflib.get_close_matches(env_id, _atari_ids(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; Atari ids look like PongNoFrameskip-v4 or ALE/Pong-v5"
-    raise EnvIdError(f"unknown environment id '{env_id}'{hint}")
+    raise EnvIdError(f"unknown environment id {env_id!r}{hint}")  # repr: an id with a newline stays one line
 
 
 def load_env_config(path: str | Path, env_id: str) -> dict:

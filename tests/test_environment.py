@@ -364,6 +364,10 @@ def test_unknown_id_suggests_close_ids():
         resolve_env_id("PongNoFrameSkip-v4")  # upstream's default typo
     with pytest.raises(EnvIdError, match="unknown environment id 'CartPole-v1'"):
         resolve_env_id("CartPole-v1")
+    for env_id in ("PongDeterministic-v4\n", "PongNoFrameskip-v4\n"):  # not an id, and the error stays one line
+        with pytest.raises(EnvIdError, match=r"unknown environment id 'Pong\w+-v4\\n'") as e:
+            resolve_env_id(env_id)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("env_id", ["Pong-v0", "PongNoFrameskip-v0", "Pong-v4", "PongNoFrameskip-v4", "ALE/Pong-v5"])
