@@ -362,8 +362,6 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     def bad(field: str, what: str):
         raise ModelFileError(f"checkpoint {path} is damaged: '{field}' {what}")
 
-    count = is_count
-
     def finite(x) -> bool:
         try:
             return math.isfinite(x)
@@ -371,13 +369,13 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
             return False
 
     version = ckpt.get("version", CHECKPOINT_VERSION)
-    if not count(version):
+    if not is_count(version):
         bad("version", "is not a version number")
     if version > CHECKPOINT_VERSION:
         raise ModelFileError(f"checkpoint {path} is of format version {version}, newer than this code's "
                              f"{CHECKPOINT_VERSION}: update the repository (git pull) to resume it")
     steps = ckpt.get("global_steps", 0)
-    if not count(steps):
+    if not is_count(steps):
         bad("global_steps", "is not a step count")
     elapsed = ckpt.get("elapsed_seconds", 0.0)
     if not isinstance(elapsed, (int, float)) or isinstance(elapsed, bool):
@@ -409,21 +407,21 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     if train_envs is not None and not (isinstance(train_envs, list) and all(isinstance(e, str) for e in train_envs)):
         bad("config.train_envs", "is not a list of env ids")
     for key in ("lr_anneal_steps", "entropy_anneal_steps"):
-        if key in config and not count(config[key]):
+        if key in config and not is_count(config[key]):
             bad(f"config.{key}", "is not a step count")
-    if config.get("train_batch") is not None and not count(config["train_batch"]):
+    if config.get("train_batch") is not None and not is_count(config["train_batch"]):
         bad("config.train_batch", "is not a count")
-    if "train_passes" in config and not (count(config["train_passes"]) and config["train_passes"] >= 1):
+    if "train_passes" in config and not (is_count(config["train_passes"]) and config["train_passes"] >= 1):
         bad("config.train_passes", "is not a number of passes")
     for key in ("short_game_slots", "greedy_slots", "short_game_length"):
-        if key in config and not count(config[key]):
+        if key in config and not is_count(config[key]):
             bad(f"config.{key}", "is not a count")
     pass_clip = config.get("pass_clip", 0.2)
     if not (isinstance(pass_clip, (int, float)) and not isinstance(pass_clip, bool) and finite(pass_clip)
             and 0 < pass_clip < 1):
         bad("config.pass_clip", "is not a clip range")
     for field in ("ga3c_updates", "ga3c_episodes"):
-        if field in ckpt and not count(ckpt[field]):
+        if field in ckpt and not is_count(ckpt[field]):
             bad(field, "is not a count")
     opt = ckpt.get("optimizer")
     if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
@@ -434,7 +432,7 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     name = ckpt.get("optimizer_name")
     if name is not None and not isinstance(name, str):
         bad("optimizer_name", "is not a name")
-    if "ema_steps" in config and not count(config["ema_steps"]):
+    if "ema_steps" in config and not is_count(config["ema_steps"]):
         bad("config.ema_steps", "is not a step count")
     average = ckpt.get("average_model")
     if average is not None and not (isinstance(average, dict) and all(
