@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ga3c.settings import LATER_PASSES
 from model import expected_shapes
 from utils import safe_name
 
@@ -416,6 +417,8 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     for key in ("short_game_slots", "greedy_slots", "short_game_length"):
         if key in config and not is_count(config[key]):
             bad(f"config.{key}", "is not a count")
+    if config.get("later_passes", "full") not in LATER_PASSES:
+        bad("config.later_passes", f"is not one of {', '.join(LATER_PASSES)}")
     pass_clip = config.get("pass_clip", 0.2)
     if not (isinstance(pass_clip, (int, float)) and not isinstance(pass_clip, bool) and finite(pass_clip)
             and 0 < pass_clip < 1):

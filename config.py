@@ -16,6 +16,7 @@ import torch
 
 import precision
 from cli import BoolFlag, Parser, validate_dir, validate_file
+from ga3c.settings import LATER_PASSES
 from precision import PRECISIONS
 from environment import EnvIdError, load_env_config, resolve_env_id
 from utils import safe_name
@@ -110,7 +111,8 @@ MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto", "lr_anneal_steps": 
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
                    "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
-                   "short_game_slots", "short_game_length", "greedy_slots", "train_passes", "pass_clip")
+                   "short_game_slots", "short_game_length", "greedy_slots", "train_passes", "pass_clip",
+                   "later_passes")
 _NOT_GIVEN = object()
 
 
@@ -360,6 +362,11 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pass-clip", type=float, default=0.2, metavar="EPS",
                    help="with --train-passes above 1, the clipped surrogate's epsilon: a step's ratio pi/mu gives no "
                         "gradient beyond 1 +- EPS in the direction of its advantage (default: %(default)s, PPO's)")
+    g.add_argument("--later-passes", choices=LATER_PASSES, default="full",
+                   help="with --train-passes above 1, what the passes after the first train: full = the whole model, "
+                        "its convolutions run again with the moved weights; lstm = the LSTM and the heads only, on "
+                        "the first pass's conv features, so the conv weights take one step per batch and a later "
+                        "pass costs about a tenth of the first (default: %(default)s)")
     g.add_argument("--dynamic", action=BoolFlag, default=False,
                    help="adjust the numbers of trainers, predictors and agents by measured training throughput "
                         "(GA3C DYNAMIC_SETTINGS), within --dynamic-max (default: off)")
@@ -807,12 +814,16 @@ def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
     given = getattr(args, "_given", ())
     if args.mode != "ga3c":
         return []
-    used = {"pass_clip": args.train_passes > 1, "short_game_length": args.short_game_slots > 0,
-            "dynamic_seconds": args.dynamic, "dynamic_max": args.dynamic}
+    used = {"pass_clip": args.train_passes > 1, "later_passes": args.train_passes > 1,
+            "short_game_length": args.short_game_slots > 0, "dynamic_seconds": args.dynamic,
+            "dynamic_max": args.dynamic}
     valid = {"pass_clip": 0 < args.pass_clip < 1, "short_game_length": args.short_game_length >= 3,  # else: its own
-             "dynamic_seconds": 0 < args.dynamic_seconds < math.inf, "dynamic_max": True}          # line, only
+             "dynamic_seconds": 0 < args.dynamic_seconds < math.inf, "dynamic_max": True,           # line, only
+             "later_passes": True}
     unused = [(flag, why) for flag, dest, why in (
         ("--pass-clip", "pass_clip", "it clips the surrogate of --train-passes 2 or more; give those too"),
+        ("--later-passes", "later_passes", "it says what the passes after the first of --train-passes 2 or more "
+                                           "train; give those too"),
         ("--short-game-length", "short_game_length", "it is the cut of --short-game-slots K; give that too"),
         ("--dynamic-seconds", "dynamic_seconds", "it is --dynamic's measuring window; give --dynamic too"),
         ("--dynamic-max", "dynamic_max", "it bounds what --dynamic tries; give --dynamic too"),

@@ -54,6 +54,7 @@ from config import (build_parser, policy_lag_warnings, precision_warnings, resul
                     cut_to_schedule, greedy_slots_line, load_folder, max_steps_cut_line, short_games_line,
                     train_envs_line, validate)
 from environment import num_actions  # noqa: E402
+from ga3c.settings import LATER_PASSES  # noqa: E402
 from model import A3Clstm  # noqa: E402
 from modes import Mode  # noqa: E402
 from run_state import StartError  # noqa: E402
@@ -421,11 +422,11 @@ def train_batch_change_line(saved_config: dict, args: Namespace) -> str:
 
 
 def keep_checkpoint_schedule(saved_config: dict, args: Namespace) -> str:
-    """On a resume, ``--lr-anneal-steps`` and (GA3C checkpoint into GA3C mode) ``--train-passes`` that the command
-    line does not give are the checkpoint's (before those flags: 0 and 1), not the mode's defaults, and
-    ``--max-steps`` is cut again to that schedule: a run goes on as it was started. Returns the line that says
-    which values were kept where they differ from the defaults, or ""."""
-    given = getattr(args, "_given", ("lr_anneal_steps", "train_passes"))  # a Namespace not parsed: all given
+    """On a resume, ``--lr-anneal-steps`` and (GA3C checkpoint into GA3C mode) ``--train-passes`` and
+    ``--later-passes`` that the command line does not give are the checkpoint's (before those flags: 0, 1 and
+    full), not the defaults, and ``--max-steps`` is cut again to that schedule: a run goes on as it was started.
+    Returns the line that says which values were kept where they differ from the defaults, or ""."""
+    given = getattr(args, "_given", ("lr_anneal_steps", "train_passes", "later_passes"))  # not parsed: all given
     kept = []
     def count(value, least):  # a damaged value is not kept: check_checkpoint refuses the file in one line
         return is_count(value) and value >= least
@@ -441,23 +442,34 @@ def keep_checkpoint_schedule(saved_config: dict, args: Namespace) -> str:
         if count(was, 1) and was != args.train_passes:
             kept.append(("train_passes", was, args.train_passes))
             args.train_passes = was
+    if "later_passes" not in given and args.mode == "ga3c" and saved_config.get("mode") == "ga3c":
+        was = saved_config.get("later_passes", "full")
+        if was in LATER_PASSES and was != args.later_passes:  # another value: check_checkpoint refuses the file
+            kept.append(("later_passes", was, args.later_passes))
+            args.later_passes = was
     if not kept:
         return ""
-    return ("kept the checkpoint's " + " and ".join(f"--{k.replace('_', '-')} {was:,}" for k, was, _ in kept)
+
+    def show(value):
+        return f"{value:,}" if isinstance(value, int) else value
+
+    return ("kept the checkpoint's " + " and ".join(f"--{k.replace('_', '-')} {show(was)}" for k, was, _ in kept)
             + f" ({args.mode.upper()} mode's default" + ("s are " if len(kept) > 1 else " is ")
-            + " and ".join(f"{default:,}" for _, _, default in kept)
+            + " and ".join(show(default) for _, _, default in kept)
             + ("; give the flags to change them)" if len(kept) > 1 else "; give the flag to change it)"))
 
 
 def train_passes_change_line(saved_config: dict, args: Namespace) -> str:
     """The line that says a resumed GA3C checkpoint was trained with other ``--train-passes`` (or, with several,
-    another ``--pass-clip``) than this GA3C run; "" otherwise (checkpoints from before the flag: one pass)."""
+    another ``--pass-clip`` or ``--later-passes``) than this GA3C run; "" otherwise (checkpoints from before the
+    flags: one pass; full later passes)."""
     if args.mode != "ga3c" or saved_config.get("mode") != "ga3c":
         return ""
 
     def passes(cfg):
         k = cfg.get("train_passes", 1)
-        return f"--train-passes {k}" + (f" --pass-clip {cfg.get('pass_clip', 0.2):g}" if k > 1 else "")
+        return f"--train-passes {k}" + (f" --pass-clip {cfg.get('pass_clip', 0.2):g} --later-passes "
+                                        f"{cfg.get('later_passes', 'full')}" if k > 1 else "")
 
     was, now = passes(saved_config), passes(vars(args))
     return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"

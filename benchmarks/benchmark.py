@@ -807,7 +807,8 @@ def run(opts: argparse.Namespace, out_dir: Path) -> int:
         g["flags"] = {k: getattr(gargs, k) for k in ("agents", "envs_per_agent", "predictors", "trainers",
                                                      "predict_batch", "train_batch", "queue_size", "num_steps",
                                                      "dynamic", "compute_precision", "replay_activations",
-                                                     "train_passes", "hidden_size", "ema_steps")}
+                                                     "train_passes", "later_passes", "hidden_size",
+                                                     "ema_steps")}
         # its own model's FLOPs (--ga3c-flags may give another --hidden-size; the ratio then compares two models)
         g["model_mflop_per_step"] = (res["model_mflop_per_step"] if gargs.hidden_size == args.hidden_size else
                                      {k: v / 1e6 for k, v in model_flops_per_step(

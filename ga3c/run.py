@@ -94,7 +94,8 @@ class Ga3cRun(Mode):
         return (f"in GA3C mode: {a.agents} agents x {a.envs_per_agent} envs, {a.predictors} predictor(s), "
                 f"{a.trainers} trainer(s), {a.train_batch} segments of {a.num_steps} steps per update"
                 + (f", importance weights clipped at {a.is_clip:g}" if a.is_clip else "")
-                + (f", {a.train_passes} passes per batch (clipped surrogate, eps {a.pass_clip:g})"
+                + (f", {a.train_passes} passes per batch (clipped surrogate, eps {a.pass_clip:g}"
+                   + ("; the later ones on the LSTM and heads" if a.later_passes == "lstm" else "") + ")"
                    if a.train_passes > 1 else "")
                 + (", --dynamic" if a.dynamic else "") + f", on {where}")
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass, fields
 
 from precision import DTYPES
 
+LATER_PASSES = ("full", "lstm")  # --later-passes: the whole model, or the LSTM and heads on pass 1's conv features
+
 
 @dataclass(frozen=True)
 class Ga3cSettings:
@@ -29,6 +31,7 @@ class Ga3cSettings:
     greedy_slots: int = 0  # env slots K..K+G-1 act greedily (argmax, mu = 1); see batch_losses
     train_passes: int = 1  # optimizer steps per batch; above 1 the policy term is PPO's clipped surrogate
     pass_clip: float = 0.2  # its epsilon (used only when train_passes > 1)
+    later_passes: str = "full"  # what passes 2..K train: "full" (the whole model) or "lstm" (LSTM and heads only)
     ema_steps: int = 0  # the time constant of the weights' moving average in agent steps (averaging.py); 0 = none
 
     def surrogate_clip(self) -> float | None:
@@ -62,6 +65,8 @@ class Ga3cSettings:
             (self.greedy_slots >= 0, f"greedy_slots must be >= 0, got {self.greedy_slots}"),
             (self.train_passes >= 1, f"train_passes must be >= 1, got {self.train_passes}"),
             (0 < self.pass_clip < 1, f"pass_clip must be between 0 and 1, got {self.pass_clip}"),
+            (self.later_passes in LATER_PASSES, f"later_passes must be one of {', '.join(LATER_PASSES)}, got "
+                                                f"{self.later_passes!r}"),
             (self.train_passes == 1 or (self.is_clip is None and self.greedy_slots == 0),
              "train_passes > 1 is not combined with is_clip or greedy_slots"),
             (self.ema_steps >= 0, f"ema_steps must be >= 0, got {self.ema_steps}"),

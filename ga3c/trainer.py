@@ -1,5 +1,5 @@
 """The trainer: batches of segments from many env slots, one batched forward/backward, one optimizer step
-(``--train-passes K``: K of each per batch).
+(``--train-passes K``: K of each per batch; ``--later-passes lstm``: the later ones on the LSTM and heads only).
 
 ``assemble`` concatenates B segments (lengths ``L_b <= num_steps``, shorter where an episode ended inside one)
 into flat segment-major tensors: no frame is padded, so the conv stack runs once, batched over exactly the
@@ -23,8 +23,17 @@ that the main process (a checkpoint) and the monitor (a game's weights) copy the
 statistics, the moving average and the version of one moment between two steps.
 
 Several passes (``--train-passes K``): ``update`` makes K optimizer steps on one batch, each a fresh copy of the
-shared weights, forward and backward (the clipped surrogate, ``batch_losses``); from the second pass on the
-weights have moved, so every frame's convolutions run again.
+shared weights, forward and backward (the clipped surrogate, ``batch_losses``). What the passes after the first
+train is ``settings.later_passes``:
+
+- ``full``: the whole model. The weights have moved since the first pass, so every frame's convolutions run again
+  (forward and backward): each pass costs what the first one does.
+- ``lstm``: the LSTM and the two heads only, on the first pass's conv features (detached: computed with the conv
+  weights the first pass copied, before its step). Nothing of the conv stack runs again, and the conv parameters
+  get no gradient in those passes, so the optimizer leaves them, and their statistics and step counts, alone
+  (``torch.optim`` skips a parameter whose ``.grad`` is None): the conv weights take one step per batch, the LSTM
+  and the heads K. What runs again is the LSTM, the heads and the loss over the batch's ``sum L_b`` steps, about
+  a tenth of a pass's FLOPs.
 
 Policy lag: each update records, per batch, the mean and max over steps of ``version now - version that acted``.
 
@@ -141,16 +150,19 @@ def conv_features(model: A3Clstm, batch: Batch) -> torch.Tensor:
     return torch.cat([replayed, fresh]).index_select(0, rows)
 
 
-def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def batched_unroll(model: A3Clstm, batch: Batch, feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``values (S,)``, ``logits (S, A)`` of every step of every segment (see the module docstring); equal to
     stepping each segment through ``A3Clstm.forward`` from its initial state, gradients included (tested).
 
     The conv features come from ``conv_features``: the replayed frames' (``batch.replay``) from the activations
-    the predictor saved, the others' from the encoder run again. The LSTM and the heads always run with
-    ``model``'s weights. When every replayed frame was acted on by ``model``'s weights (``assemble`` with the
-    trainer's version) this is the gradient at ``model``'s weights (tested, with and without policy lag)."""
+    the predictor saved, the others' from the encoder run again; or they are ``feats`` as given (``(S, 1024)``
+    in flat order, e.g. another pass's, detached: then no gradient reaches ``model``'s convs). The LSTM and the
+    heads always run with ``model``'s weights. When every replayed frame was acted on by ``model``'s weights
+    (``assemble`` with the trainer's version) this is the gradient at ``model``'s weights (tested, with and without
+    policy lag)."""
     index = flat_index(batch.lengths)
-    feats = conv_features(model, batch)
+    if feats is None:
+        feats = conv_features(model, batch)
     x = padded(feats, batch.lengths, index)  # (B, T, 1024)
     lstm = model.lstm
     out, _, _ = torch.lstm(x, (batch.hx.unsqueeze(0), batch.cx.unsqueeze(0)),
@@ -162,11 +174,12 @@ def batched_unroll(model: A3Clstm, batch: Batch) -> tuple[torch.Tensor, torch.Te
     return value.squeeze(1), logits
 
 
-def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings,
-               entropy_coef: float | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
+def batch_loss(model: A3Clstm, batch: Batch, settings: Ga3cSettings, entropy_coef: float | None = None,
+               feats: torch.Tensor | None = None) -> tuple[A3CLoss, torch.Tensor | None]:
     """The batch's summed A3C loss (and importance weights when ``settings.is_clip`` is set or a segment is a
-    greedy slot's; the ratios pi/mu with ``settings.train_passes > 1``); ``entropy_coef``: the entropy bonus weight (default ``settings.entropy_coef``)."""
-    values, logits = batched_unroll(model, batch)
+    greedy slot's; the ratios pi/mu with ``settings.train_passes > 1``); ``entropy_coef``: the entropy bonus
+    weight (default ``settings.entropy_coef``); ``feats``: the conv features to use (``batched_unroll``)."""
+    values, logits = batched_unroll(model, batch, feats)
     return batched_a3c_loss(logits, values, batch.actions, batch.rewards, batch.bootstrap, batch.lengths,
                             mu=batch.mu, is_clip=settings.is_clip, gamma=settings.gamma, tau=settings.tau,
                             entropy_coef=settings.entropy_coef if entropy_coef is None else entropy_coef,
@@ -237,9 +250,11 @@ class Trainer:
         the counters' histogram. ``stop`` (with ``is_set()``): checked between passes, so that a stopped or
         retired trainer ends after the step it is in, not K steps later; the passes made stay applied, and the
         moving average then takes the weights in once at the break (under ``step_lock``, after any step another
-        trainer made in between)."""
+        trainer made in between). With ``settings.later_passes == "lstm"`` the passes after the first train on the
+        first one's batch and detached conv features (the module docstring)."""
         result = None
         passes = self.settings.train_passes
+        reuse = None  # the first pass's batch and conv features, for --later-passes lstm
         for p in range(passes):
             if p > 0 and stop is not None and stop.is_set():
                 if self.average is not None:  # the passes made are applied: the average takes them in once
@@ -247,24 +262,35 @@ class Trainer:
                     with self.step_lock, self.gate.writing():
                         update_average(self.average, self.shared, result.steps, self.settings.ema_steps)
                 break
-            result = self._step(segments, first=p == 0, last=p == passes - 1)
+            result, batch, feats = self._step(segments, first=p == 0, last=p == passes - 1, reuse=reuse)
+            if p == 0 and passes > 1 and self.settings.later_passes == "lstm":
+                reuse = (batch, feats.detach())
         return result
 
-    def _step(self, segments: list[Segment], *, first: bool, last: bool) -> UpdateResult:
+    def _step(self, segments: list[Segment], *, first: bool, last: bool,
+              reuse: tuple[Batch, torch.Tensor] | None = None) -> tuple[UpdateResult, Batch, torch.Tensor]:
+        """One optimizer step (see ``update``); returns its result, and the batch and conv features it trained on.
+        ``reuse``: a batch and detached conv features to train on instead of assembling ``segments`` and running
+        the convolutions (the LSTM and the heads get gradients, the conv parameters none)."""
         with self.step_lock:  # no other trainer's step between reading the version and copying its weights
             version = self.version()
             sync_weights(self.model, self.shared)
-        batch = assemble(segments, self.device, version=version)
+        if reuse is None:
+            batch = assemble(segments, self.device, version=version)
+            feats = conv_features(self.model, batch)
+        else:
+            batch, feats = reuse
         entropy_coef = linear_anneal(self.settings.entropy_coef, self.global_steps(),
                                      self.settings.entropy_anneal_steps)
-        loss, w = batch_loss(self.model, batch, self.settings, entropy_coef)
+        loss, w = batch_loss(self.model, batch, self.settings, entropy_coef, feats)
         params = [p for p, _ in self.handoff.pairs]
         self.model.zero_grad(set_to_none=True)
         loss.total.backward()
-        if self.settings.max_grad_norm > 0:
+        if self.settings.max_grad_norm > 0:  # over the parameters with a gradient (not the convs' with reuse)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
         else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params
+                                                                    if p.grad is not None])))
         lags = version - batch.versions
         lag = lags.to(torch.float64)
         result = UpdateResult(loss, grad_norm, batch.num_steps, batch.num_segments, float(lag.mean()),
@@ -286,7 +312,7 @@ class Trainer:
                                             segments=result.segments if first else 0,
                                             lag_mean=result.lag_mean, lag_max=result.lag_max, grad_norm=grad_norm,
                                             lags=lags, **per_step)
-        return result
+        return result, batch, feats
 
     def run(self, source: "queue.Queue[Segment]", stop, max_updates: int | None = None,
             poll: float = 0.05) -> int:
