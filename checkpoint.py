@@ -418,7 +418,7 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
         if key in config and not is_count(config[key]):
             bad(f"config.{key}", "is not a count")
     if config.get("later_passes", "full") not in LATER_PASSES:
-        bad("config.later_passes", f"is not one of {', '.join(LATER_PASSES)}")
+        bad("config.later_passes", f"is not a --later-passes value ({' or '.join(LATER_PASSES)})")
     pass_clip = config.get("pass_clip", 0.2)
     if not (isinstance(pass_clip, (int, float)) and not isinstance(pass_clip, bool) and finite(pass_clip)
             and 0 < pass_clip < 1):

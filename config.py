@@ -366,7 +366,7 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="with --train-passes above 1, what the passes after the first train: full = the whole model, "
                         "its convolutions run again with the moved weights; lstm = the LSTM and the heads only, on "
                         "the first pass's conv features, so the conv weights take one step per batch and a later "
-                        "pass costs about a tenth of the first (default: %(default)s)")
+                        "pass costs about a twentieth of the first (default: %(default)s)")
     g.add_argument("--dynamic", action=BoolFlag, default=False,
                    help="adjust the numbers of trainers, predictors and agents by measured training throughput "
                         "(GA3C DYNAMIC_SETTINGS), within --dynamic-max (default: off)")
@@ -808,8 +808,8 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
 
 
 def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
-    """One line for each GA3C flag given where it would change nothing (``args._given``): ``--pass-clip`` with one
-    pass, ``--short-game-length`` without short-game slots, ``--dynamic-seconds`` or ``--dynamic-max`` without
+    """One line for each GA3C flag given where it would change nothing (``args._given``): ``--pass-clip`` or
+    ``--later-passes`` with one pass, ``--short-game-length`` without short-game slots, ``--dynamic-seconds`` or ``--dynamic-max`` without
     ``--dynamic``. In A3G mode the other-mode line names them all."""
     given = getattr(args, "_given", ())
     if args.mode != "ga3c":

@@ -442,7 +442,8 @@ def keep_checkpoint_schedule(saved_config: dict, args: Namespace) -> str:
         if count(was, 1) and was != args.train_passes:
             kept.append(("train_passes", was, args.train_passes))
             args.train_passes = was
-    if "later_passes" not in given and args.mode == "ga3c" and saved_config.get("mode") == "ga3c":
+    if ("later_passes" not in given and args.mode == "ga3c" and saved_config.get("mode") == "ga3c"
+            and args.train_passes > 1):  # with one pass it changes nothing
         was = saved_config.get("later_passes", "full")
         if was in LATER_PASSES and was != args.later_passes:  # another value: check_checkpoint refuses the file
             kept.append(("later_passes", was, args.later_passes))
@@ -468,8 +469,9 @@ def train_passes_change_line(saved_config: dict, args: Namespace) -> str:
 
     def passes(cfg):
         k = cfg.get("train_passes", 1)
-        return f"--train-passes {k}" + (f" --pass-clip {cfg.get('pass_clip', 0.2):g} --later-passes "
-                                        f"{cfg.get('later_passes', 'full')}" if k > 1 else "")
+        later = cfg.get("later_passes", "full")
+        return f"--train-passes {k}" + (f" --pass-clip {cfg.get('pass_clip', 0.2):g}" if k > 1 else "") + (
+            f" --later-passes {later}" if k > 1 and later != "full" else "")
 
     was, now = passes(saved_config), passes(vars(args))
     return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"

@@ -33,7 +33,7 @@ train is ``settings.later_passes``:
   get no gradient in those passes, so the optimizer leaves them, and their statistics and step counts, alone
   (``torch.optim`` skips a parameter whose ``.grad`` is None): the conv weights take one step per batch, the LSTM
   and the heads K. What runs again is the LSTM, the heads and the loss over the batch's ``sum L_b`` steps, about
-  a tenth of a pass's FLOPs.
+  a twentieth of a full pass's FLOPs.
 
 Policy lag: each update records, per batch, the mean and max over steps of ``version now - version that acted``.
 

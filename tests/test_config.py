@@ -1,4 +1,6 @@
 """Flags: upstream names and defaults, real boolean switches, and validation that reports every problem."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -282,7 +284,9 @@ def test_greedy_slots_are_checked(argv, want):
     (["--train-passes", "2", "--is-clip", "2", "--greedy-slots", "1"],
      ["--train-passes 2 trains with the clipped surrogate, which is not combined with --is-clip or --greedy-slots; "
       "leave them out, or use --train-passes 1"]),
-    (["--mode", "a3g", "--train-passes", "2"], ["--train-passes: only GA3C mode has it"])])
+    (["--mode", "a3g", "--train-passes", "2"], ["--train-passes: only GA3C mode has it"]),
+    (["--mode", "a3g", "--later-passes", "lstm"], ["--later-passes: only GA3C mode has it"]),
+    (["--train-passes", "3", "--later-passes", "lstm"], [])])
 def test_train_passes_are_checked(argv, want):
     from ga3c.settings import Ga3cSettings
 
@@ -314,6 +318,11 @@ def test_rollout_and_game_lengths_that_would_not_do_what_they_say_are_refused(ar
      ["--pass-clip changes nothing here: it clips the surrogate of --train-passes 2 or more; give those too, or "
       "leave it out"]),
     (["--pass-clip", "0.3"], []),  # GA3C mode's default is two passes
+    (["--later-passes", "lstm", "--train-passes", "1"],
+     ["--later-passes changes nothing here: it says what the passes after the first of --train-passes 2 or more "
+      "train; give those too, or leave it out"]),
+    (["--later-passes", "lstm"], []),
+    (["--later-passes", "full", "--train-passes", "3"], []),
     (["--short-game-length", "50"], ["--short-game-length changes nothing here: it is the cut of --short-game-slots "
                                      "K; give that too, or leave it out"]),
     (["--dynamic-seconds", "5"], ["--dynamic-seconds changes nothing here: it is --dynamic's measuring window; give "
@@ -547,3 +556,16 @@ def test_ray_with_ga3c_mode_is_one_line_however_the_schedule_came():
         assert validate_ray(parse("--mode", "ga3c", "--ray-address", "local", flag, "100")) == [
             f"{flag} needs the global step count in every worker, which Ray nodes do not have: drop {flag} or "
             f"--ray-address"]
+
+
+def test_a_later_passes_value_that_is_not_a_choice_is_one_usage_line(tmp_path):
+    """``--later-passes conv`` is argparse's usage error: the choices named, exit status 2, nothing written."""
+    import subprocess
+    import sys
+    main = Path(__file__).resolve().parents[1] / "main.py"
+    out = subprocess.run([sys.executable, str(main), "--later-passes", "conv", "--log-dir", str(tmp_path / "logs"),
+                          "--save-model-dir", str(tmp_path / "models")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "error" in x]
+    assert "argument --later-passes: invalid choice: 'conv'" in line and "full" in line and "lstm" in line
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "models").exists()

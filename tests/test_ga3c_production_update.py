@@ -25,7 +25,11 @@ with mu = 1, and its segments' policy terms are weighted by pi(a) in the trainer
 (again far from the unweighted gradient). With ``--train-passes K`` the reference makes K optimizer steps on each
 batch, each on the clipped surrogate's gradient (``segment_loss`` with ``pass_clip``) at the weights the previous
 one left, with ``mu`` scaled by 0.15 to 2 so that the clip and the dual clip (ratios past 3) matter (far from the
-unweighted gradient). This test fails when the fused Adam is handed the working
+unweighted gradient); with ``--later-passes lstm`` each pass after the first is the reference's gradient of a model
+whose convolutions are the weights the batch's first pass started from and whose LSTM and heads are the current
+ones, handed to the optimizer for the LSTM and heads only (the conv gradients None, so ``torch.optim`` leaves the
+conv weights, their statistics and their step counts alone: the optimizer states' ``step`` then differ between
+the convs and the rest, and are compared). This test fails when the fused Adam is handed the working
 copy's channels-last conv gradients unconverted (conv2-conv4 off by about lr after one step). With ``--ema-steps``
 the moving average the trainer keeps (``main.start_average``'s, as ``Ga3cRun`` hands it to the server) is, after
 every update, the previous one blended toward the new shared weights by ``1 - exp(-steps / N)``. After every
@@ -105,6 +109,11 @@ CASES = [  # (optimizer, amsgrad, shared, extra flags); every case with GA3C mod
     ("RMSprop", False, True, [R, *P1, "--optimizer-eps", "0.01", "--value-coef", "1.0"]),
     # every pass's gradient clipped
     ("Adam", False, True, [R, "--train-passes", "2", "--max-grad-norm", "0.5", "--seed", "3"]),
+    # the later passes on the LSTM and heads only, from the first pass's conv features (replayed ones here, run
+    # again in the next case), every gradient clipped in the second; the convs' optimizer steps are one per batch
+    ("Adam", False, True, [R, "--train-passes", "3", "--later-passes", "lstm"]),
+    ("RMSprop", False, False, ["--later-passes", "lstm", "--max-grad-norm", "0.5", "--seed", "3"]),
+    ("Adam", True, True, ["--later-passes", "lstm", "--ema-steps", "50", "--seed", "3"]),
 ]
 
 
@@ -161,6 +170,8 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
         average = None if run.average_model is None else [p.double().clone() for p in run.average_model.parameters()]
         g = torch.Generator().manual_seed(11)
         passes, pass_clip = args.train_passes, (args.pass_clip if args.train_passes > 1 else None)
+        lstm_only = passes > 1 and args.later_passes == "lstm"
+        assert settings.later_passes == args.later_passes
         off_policy = settings.is_clip is not None or pass_clip is not None  # mu scaled off the current policy
         lagged = off_policy and not settings.replay_activations
         greedy_seen = 0
@@ -198,20 +209,30 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
                 while not server.segments.empty():
                     server.segments.get_nowait()
 
-            for _ in range(passes):  # the flags as given, not Ga3cSettings (production's reading of them)
-                segments_reference_backward(ref_model, batch, is_clip=args.is_clip or None, gamma=args.gamma,
-                                            tau=args.tau, entropy_coef=args.entropy_coef,
-                                            value_coef=args.value_coef, pass_clip=pass_clip)
+            first_convs = {k: v.clone() for k, v in ref_model.state_dict().items() if k.startswith("conv")}
+            for k in range(passes):  # the flags as given, not Ga3cSettings (production's reading of them)
+                if lstm_only and k > 0:  # the first pass's convolutions, the current LSTM and heads
+                    hybrid = A3Clstm(1, n, args.hidden_size)
+                    hybrid.load_state_dict({**ref_model.state_dict(), **first_convs})
+                    segments_reference_backward(hybrid, batch, is_clip=args.is_clip or None, gamma=args.gamma,
+                                                tau=args.tau, entropy_coef=args.entropy_coef,
+                                                value_coef=args.value_coef, pass_clip=pass_clip)
+                    for key, rp, hp in zip(names, ref_params, hybrid.parameters()):
+                        rp.grad = None if key.startswith("conv") else hp.grad
+                else:
+                    segments_reference_backward(ref_model, batch, is_clip=args.is_clip or None, gamma=args.gamma,
+                                                tau=args.tau, entropy_coef=args.entropy_coef,
+                                                value_coef=args.value_coef, pass_clip=pass_clip)
                 if weighted:  # the weights change the gradient by far more than float rounding
                     unweighted = A3Clstm(1, n, args.hidden_size)
-                    unweighted.load_state_dict(ref_model.state_dict())
+                    unweighted.load_state_dict({**ref_model.state_dict(), **(first_convs if lstm_only and k else {})})
                     segments_reference_backward(unweighted, [dataclasses.replace(seg, greedy=False) for seg in batch],
                                                 is_clip=None, gamma=args.gamma, tau=args.tau,
                                                 entropy_coef=args.entropy_coef, value_coef=args.value_coef)
                     change = max(relative_difference(p.grad, q.grad)
-                                 for p, q in zip(unweighted.parameters(), ref_params))
+                                 for p, q in zip(unweighted.parameters(), ref_params) if q.grad is not None)
                     assert change > 0.05, f"update {u}: the importance weights change the gradient by {change:.2g}"
-                if args.max_grad_norm > 0:
+                if args.max_grad_norm > 0:  # over the gradients there are (clip_grad_norm_ skips None)
                     norm = torch.nn.utils.clip_grad_norm_(ref_params, args.max_grad_norm)
                     assert norm > args.max_grad_norm, f"update {u}: the gradient (norm {norm:.3g}) is not clipped"
                 for group in ref_opt.param_groups:  # the schedule at the run's global steps (no agent steps between)
@@ -219,6 +240,11 @@ def test_server_update_equals_the_reference_for_every_parameter(tmp_path, name, 
                 ref_opt.step()
 
             for key, sp, rp in zip(names, shared_model.parameters(), ref_params):
+                if lstm_only and key.startswith("conv"):  # the last pass handed no conv gradient
+                    assert sp.grad is None and rp.grad is None, f"update {u}: {key} has a gradient in a later pass"
+                    diff = (sp.detach() - rp.detach()).abs().max().item()
+                    assert diff <= 1e-2 * args.lr, f"update {u}: {key} differs from the reference by {diff:.3g}"
+                    continue
                 assert sp.grad is not None and sp.grad.stride() == sp.stride(), f"update {u}: {key} grad layout"
                 # the handed-off gradient is the reference's (weighted where it is): a small term of the loss (the
                 # entropy bonus) moves the weights by less than the tolerance below, its gradient by more than 1e-3

@@ -361,7 +361,22 @@ def test_a_resume_already_at_its_step_limit_is_refused(tmp_path, models, extra, 
     # a run started with --is-clip (one pass then) resumed with its own command: the check sees the kept pass
     ({"mode": "ga3c", "is_clip": 2.0}, ["--is-clip", "2"],
      (0, 1, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 and --train-passes 1 (GA3C mode's defaults are "
-                        "1,500,000 and 2; give the flags to change them)"))])
+                        "1,500,000 and 2; give the flags to change them)")),
+    # --later-passes lstm goes on unless given; given, the command line's
+    ({"mode": "ga3c", "lr_anneal_steps": 3_000_000, "train_passes": 2, "later_passes": "lstm"},
+     ["--lr-anneal-steps", "3000000"],
+     (3_000_000, 2, 3_000_000, "kept the checkpoint's --later-passes lstm (GA3C mode's default is full; give the flag "
+                               "to change it)", "lstm")),
+    ({"mode": "ga3c", "lr_anneal_steps": 3_000_000, "train_passes": 2, "later_passes": "lstm"},
+     ["--later-passes", "full", "--lr-anneal-steps", "3000000"], (3_000_000, 2, 3_000_000, "", "full")),
+    ({"mode": "ga3c", "train_passes": 3, "later_passes": "lstm"}, ["--later-passes", "lstm"],
+     (0, 3, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 and --train-passes 3 (GA3C mode's defaults are "
+                        "1,500,000 and 2; give the flags to change them)", "lstm")),
+    ({"mode": "ga3c", "lr_anneal_steps": 3_000_000, "train_passes": 2, "later_passes": "lstm"},  # one pass: unused
+     ["--train-passes", "1", "--lr-anneal-steps", "3000000"], (3_000_000, 1, 3_000_000, "", "full")),
+    ({"mode": "a3g", "later_passes": "lstm"}, [],  # an A3G checkpoint's value is not GA3C mode's
+     (0, 2, 50_000_000, "kept the checkpoint's --lr-anneal-steps 0 (GA3C mode's default is 1,500,000; give the "
+                        "flag to change it)", "full"))])
 def test_a_resume_keeps_the_checkpoints_schedule_and_passes_unless_given(tmp_path, models, config, extra, want):
     """A checkpoint from before GA3C mode's defaults became --lr-anneal-steps 1500000 --train-passes 2 (at 2M
     steps, past that schedule's end) goes on as it was started: resumed with the same command, it was refused as
@@ -377,7 +392,8 @@ def test_a_resume_keeps_the_checkpoints_schedule_and_passes_unless_given(tmp_pat
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
         main.check_before_start(args)
-    assert (args.lr_anneal_steps, args.train_passes, args.max_steps, args._kept_line) == want
+    got = (args.lr_anneal_steps, args.train_passes, args.max_steps, args._kept_line)
+    assert got + ((args.later_passes,) if len(want) == 5 else ()) == want
 
 
 def test_a_flag_that_the_kept_single_pass_makes_useless_is_refused(tmp_path, models):
@@ -888,6 +904,11 @@ def test_a_resumed_ga3c_checkpoint_with_another_train_batch_is_named(saved, argv
      "the checkpoint was trained with --train-passes 2 --pass-clip 0.2; this run goes on with --train-passes 1"),
     ({"mode": "ga3c", "train_passes": 1, "pass_clip": 0.3}, ["--train-passes", "1"], ""),  # unused with one pass
     ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2}, [], ""),  # GA3C mode's default
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2, "later_passes": "full"}, ["--later-passes", "lstm"],
+     "the checkpoint was trained with --train-passes 2 --pass-clip 0.2; this run goes on with --train-passes 2 "
+     "--pass-clip 0.2 --later-passes lstm"),
+    ({"mode": "ga3c", "train_passes": 2, "pass_clip": 0.2, "later_passes": "lstm"}, ["--later-passes", "lstm"], ""),
+    ({"mode": "ga3c", "train_passes": 1, "later_passes": "lstm"}, ["--train-passes", "1"], ""),  # unused: one pass
     ({"mode": "a3g"}, ["--train-passes", "2"], ""),  # the mode line says it
 ])
 def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv, line):
@@ -929,6 +950,7 @@ def test_a_resumed_ga3c_checkpoint_with_other_short_game_or_greedy_slots_is_name
     ({"pass_clip": 1.5}, "config.pass_clip"), ({"pass_clip": "0.2"}, "config.pass_clip"),
     ({"short_game_slots": "1"}, "config.short_game_slots"), ({"greedy_slots": -1}, "config.greedy_slots"),
     ({"short_game_length": 1.5}, "config.short_game_length"),
+    ({"later_passes": "conv"}, "config.later_passes"), ({"later_passes": None}, "config.later_passes"),
 ])
 def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, field, tmp_path):
     """The resume's train_passes_change_line reads these two flags from the checkpoint: a damaged value is the
@@ -938,7 +960,8 @@ def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, f
     with pytest.raises(ModelFileError, match=f"'{field}' is not a"):
         check_checkpoint({**base, "config": {"mode": "ga3c", **config}}, tmp_path / "x.ckpt")
     check_checkpoint({**base, "config": {"mode": "ga3c", "train_passes": 3, "pass_clip": 0.1, "short_game_slots": 2,
-                                         "short_game_length": 150, "greedy_slots": 1}}, tmp_path / "x.ckpt")
+                                         "short_game_length": 150, "greedy_slots": 1, "later_passes": "lstm"}},
+                     tmp_path / "x.ckpt")
 
 
 @pytest.mark.parametrize("ckpt,argv,why", [

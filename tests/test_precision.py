@@ -45,10 +45,12 @@ CONV_TOL, AFTER_FEATURES_TOL = 0.03, 3e-5  # per tensor, against the slow bf16 r
 FP32_WHOLE, FP32_COSINE = 0.25, 0.97  # against the float32 reference
 
 
-def assert_matches_references(shared_model, acted: dict, update_index: int, backward, grads=None) -> None:
+def assert_matches_references(shared_model, acted: dict, update_index: int, backward, grads=None,
+                              convs: bool = True) -> None:
     """The gradients handed to ``shared_model`` (or ``grads``, one per parameter, as handed to it for one step)
     against both references (module docstring), each a fresh model with the ``acted`` weights on which
-    ``backward(model)`` computes the reference gradient."""
+    ``backward(model)`` computes the reference gradient; ``convs=False``: the LSTM's and the heads' only (a later
+    pass of ``--later-passes lstm``, which hands no conv gradient: checked None)."""
     n, hidden = shared_model.num_actions, shared_model.hidden_size
     grads = [p.grad for p in shared_model.parameters()] if grads is None else grads
     for dtype in (torch.bfloat16, torch.float32):
@@ -56,6 +58,9 @@ def assert_matches_references(shared_model, acted: dict, update_index: int, back
         ref.load_state_dict(acted)
         backward(ref)
         pairs = [(k, g, q.grad) for (k, _), g, q in zip(shared_model.named_parameters(), grads, ref.parameters())]
+        if not convs:
+            assert all(g is None for k, g, _ in pairs if k.startswith("conv")), "a conv gradient in a later pass"
+            pairs = [(k, g, w) for k, g, w in pairs if not k.startswith("conv")]
         if dtype == torch.bfloat16:
             for key, got, want in pairs:
                 err = float((got - want).norm() / want.norm())
@@ -70,8 +75,13 @@ def assert_matches_references(shared_model, acted: dict, update_index: int, back
                 f"update {update_index}: {whole:.3%} from the float32 reference's, cosine {cosine:.4f}"
 
 
-def assert_float32_state(shared_model, optimizer):
+def assert_float32_state(shared_model, optimizer, convs: bool = True):
+    """The shared weights, their gradients (``convs=False``: the convs' None, as a later pass of ``--later-passes
+    lstm`` leaves them) and every floating optimizer statistic are float32 (or float64)."""
     for k, p in shared_model.named_parameters():
+        if not convs and k.startswith("conv"):
+            assert p.dtype == torch.float32 and p.grad is None, k
+            continue
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, k
     for p in shared_model.parameters():
         for key, v in optimizer.state[p].items():
@@ -228,12 +238,15 @@ def test_a3g_bf16_update_matches_the_references(tmp_path, name, amsgrad):
         env.close()
 
 
-@pytest.mark.parametrize("replay, passes", [(False, None), (True, None), (False, 1)],
-                         ids=["default", "replay-activations", "train-passes-1"])
-def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes):
+@pytest.mark.parametrize("replay, passes, later", [(False, None, None), (True, None, None), (False, 1, None),
+                                                  (True, None, "lstm")],
+                         ids=["default", "replay-activations", "train-passes-1", "later-passes-lstm"])
+def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes, later):
     """Every optimizer step of the server's trainer in bf16 (GA3C mode's default of two per batch, the second on the
     clipped surrogate at the weights the first left; or one) hands over the gradient of both references at the
-    weights it stepped from."""
+    weights it stepped from. With ``--later-passes lstm`` the second step hands over the LSTM's and the heads'
+    gradients only, those of the references with the conv weights the first step started from (whose bf16
+    features it reuses) and the LSTM and heads it steps from."""
     from conftest import collect_batch, segments_reference_backward
     from ga3c.agent import AgentStepper, AtariEnvFactory, EnvRunner
     from ga3c.run import Ga3cRun
@@ -244,7 +257,7 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes):
         "--mode", "ga3c", "--precision", "bf16", "--lr", "1e-3", "--agents", "1", "--envs-per-agent", "3",
         "--train-batch", "2", "--num-steps", "8", "--trainers", "1", "--log-dir", str(tmp_path),
         "--save-model-dir", str(tmp_path)] + (["--replay-activations"] if replay else [])
-        + (["--train-passes", str(passes)] if passes else []))
+        + (["--train-passes", str(passes)] if passes else []) + (["--later-passes", later] if later else []))
     assert validate(args) == [] and args.compute_precision == "bf16" and args.replay_activations == replay
     settings = Ga3cSettings.from_args(args)
     assert settings.compute_precision == "bf16" and settings.train_passes == (passes or 2)
@@ -272,7 +285,7 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes):
 
         def recording_step(*a, **k):
             stepped.append(({k: v.clone() for k, v in shared_model.state_dict().items()},
-                            [p.grad.clone() for p in shared_model.parameters()]))
+                            [None if p.grad is None else p.grad.clone() for p in shared_model.parameters()]))
             return real_step(*a, **k)
 
         trainer.optimizer.step = recording_step
@@ -286,14 +299,17 @@ def test_ga3c_bf16_update_matches_the_references(tmp_path, replay, passes):
             result = trainer.update(batch)
             assert result.lag_max == settings.train_passes - 1  # a later pass steps from weights moved since acting
             assert {t.dtype for t in result.loss} == {torch.float32}
-            assert_float32_state(shared_model, optimizer)
+            assert_float32_state(shared_model, optimizer, convs=later != "lstm")
             server.open_segments.clear()  # no policy lag in the next batch
             while not server.segments.empty():
                 server.segments.get_nowait()
             assert len(stepped) == settings.train_passes
+            first_convs = {key: v for key, v in stepped[0][0].items() if key.startswith("conv")}
             for k, (weights, grads) in enumerate(stepped):
-                assert_matches_references(shared_model, weights, f"{u} pass {k}", grads=grads, backward=lambda ref: (
-                    segments_reference_backward(ref, batch, **kw, pass_clip=clip or None)))
+                reused = later == "lstm" and k > 0  # the first step's conv weights, this one's LSTM and heads
+                assert_matches_references(shared_model, {**weights, **first_convs} if reused else weights,
+                                          f"{u} pass {k}", grads=grads, convs=not reused, backward=lambda ref: (
+                                              segments_reference_backward(ref, batch, **kw, pass_clip=clip or None)))
     finally:
         for env in envs:
             env.close()
