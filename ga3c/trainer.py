@@ -150,7 +150,8 @@ def conv_features(model: A3Clstm, batch: Batch) -> torch.Tensor:
     return torch.cat([replayed, fresh]).index_select(0, rows)
 
 
-def batched_unroll(model: A3Clstm, batch: Batch, feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def batched_unroll(model: A3Clstm, batch: Batch,
+                   feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``values (S,)``, ``logits (S, A)`` of every step of every segment (see the module docstring); equal to
     stepping each segment through ``A3Clstm.forward`` from its initial state, gradients included (tested).
 
