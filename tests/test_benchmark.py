@@ -18,7 +18,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
                      "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out),
                      "--out-dir", str(run_dir), "--ga3c-flags", "--agents 1 --envs-per-agent 2 --num-steps 5 "
-                     "--train-batch 1 --hidden-size 32 --ema-steps 100 --precision fp32", "--precision", "bf16", cwd=tmp_path,
+                     "--train-batch 1 --hidden-size 32 --ema-steps 100 --later-passes lstm --precision fp32", "--precision", "bf16", cwd=tmp_path,
                      timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "PongNoFrameskip-v4_log").is_file()  # the monitor's log, where it was told to write
@@ -39,6 +39,7 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     assert g["flags"]["compute_precision"] == "fp32"  # --ga3c-flags' own --precision
     assert g["flags"]["replay_activations"] is False  # the default
     assert g["flags"]["train_passes"] == 2  # GA3C mode's default: two optimizer steps per batch
+    assert g["flags"]["later_passes"] == "lstm"  # --ga3c-flags' own (the default is full)
     assert set(g["rss_mib_start"]) == {"ga3c server", "ga3c agent 0", "monitor"}
     assert abs(res["ga3c_over_a3g"] - g["steps_per_s"] / tr["steps_per_s"]) < 1e-9
     assert 300 < flop["total"] < 600 and abs(flop["total"] - sum(v for k, v in flop.items() if k != "total")) < 1e-9

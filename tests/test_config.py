@@ -365,6 +365,25 @@ def test_the_start_up_line_names_the_greedy_slots_and_the_factory_leaves_their_g
     assert list(Ga3cSettings.from_args(a).greedy_slot_ids()) == [2, 3]
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], ", 2 passes per batch (clipped surrogate, eps 0.2), on CPU"),
+    (["--later-passes", "lstm"],
+     ", 2 passes per batch (clipped surrogate, eps 0.2; the later ones on the LSTM and heads), on CPU"),
+    (["--train-passes", "3", "--pass-clip", "0.1", "--later-passes", "lstm"],
+     ", 3 passes per batch (clipped surrogate, eps 0.1; the later ones on the LSTM and heads), on CPU"),
+    (["--train-passes", "1"], "4 segments of 20 steps per update, on CPU")])
+def test_the_start_up_line_names_the_passes_and_which_parameters_the_later_ones_train(argv, want):
+    """GA3C mode's start-up line (``Ga3cRun.describe``, which reads only the run's arguments)."""
+    from types import SimpleNamespace
+
+    from ga3c.run import Ga3cRun
+
+    a = parse("--gpu-ids", "-1", *argv)
+    assert validate(a) == []
+    line = Ga3cRun.describe(SimpleNamespace(args=a))
+    assert line.startswith("in GA3C mode: 2 agents x 8 envs") and line.endswith(want), line
+
+
 def test_the_start_up_line_names_the_short_game_slots():
     from config import short_games_line
 

@@ -465,25 +465,38 @@ def stop_after_each_pass(trainer, stop):
     return step
 
 
-def test_a_stopped_trainer_ends_between_its_passes():
-    """--train-passes 3 with the stop flag set after the first pass: the trainer makes that pass, not the other two."""
+@pytest.mark.parametrize("later", ["full", "lstm"])
+def test_a_stopped_trainer_ends_between_its_passes(later):
+    """--train-passes 3 with the stop flag set after the first pass: the trainer makes that pass, not the other two.
+    With ``--later-passes lstm`` the same, and the passes it does make after the first reuse that pass's batch and
+    conv features (passed as ``reuse``), the first pass never."""
     from ga3c.segment import Segment
     from ga3c.trainer import Trainer
     model = A3Clstm(1, 6, 32)
     counters, stop = Ga3cCounters(1, 1, 1), Flag()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                      Ga3cSettings(train_passes=3), counters=counters)
+                      Ga3cSettings(train_passes=3, later_passes=later), counters=counters)
     n = 4
     seg = Segment(slot=0, frames=torch.zeros(n, 1, 80, 80), actions=torch.zeros(n, dtype=torch.int64),
                   rewards=torch.zeros(n), mu=torch.full((n,), 1 / 6), versions=torch.zeros(n, dtype=torch.int64),
                   state=(torch.zeros(1, 32), torch.zeros(1, 32)), terminated=False, truncated=False, bootstrap=0.0)
     step = stop_after_each_pass(trainer, stop)
+    reused = []  # per optimizer step: whether it was handed the first pass's batch and conv features
+
+    def recording(inner):
+        def call(*a, **kw):
+            reused.append(kw.get("reuse") is not None)
+            return inner(*a, **kw)
+        return call
+
+    trainer._step = recording(trainer._step)
     trainer.update([seg], stop)
-    assert trainer.updates == 1 and counters.version == 1
+    assert trainer.updates == 1 and counters.version == 1 and reused == [False]
     stop.clear()
-    trainer._step = step
+    trainer._step = recording(step)
     trainer.update([seg], stop)
     assert trainer.updates == 4 and counters.version == 4  # without the flag, all three
+    assert reused == [False, False] + [later == "lstm"] * 2
 
 
 def test_a_trainer_stopped_between_passes_blends_the_average_once():
