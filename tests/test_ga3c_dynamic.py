@@ -482,11 +482,19 @@ def test_a_stopped_trainer_ends_between_its_passes(later):
                   state=(torch.zeros(1, 32), torch.zeros(1, 32)), terminated=False, truncated=False, bootstrap=0.0)
     step = stop_after_each_pass(trainer, stop)
     reused = []  # per optimizer step: whether it was handed the first pass's batch and conv features
+    first = []  # the batch and features the last first pass trained on
 
     def recording(inner):
         def call(*a, **kw):
-            reused.append(kw.get("reuse") is not None)
-            return inner(*a, **kw)
+            reuse = kw.get("reuse")
+            reused.append(reuse is not None)
+            if reuse is not None:  # that very batch, and its features cut from the first pass's graph
+                assert reuse[0] is first[-1][0] and not reuse[1].requires_grad
+                assert torch.equal(reuse[1], first[-1][1])
+            out = inner(*a, **kw)
+            if reuse is None:
+                first.append((out[1], out[2].detach()))
+            return out
         return call
 
     trainer._step = recording(trainer._step)
