@@ -18,8 +18,8 @@ def test_benchmark_runs_and_its_ratios_follow_from_its_measurements(tmp_path):
     proc = run_entry("benchmarks/benchmark.py", "--workers", "1", "--warmup", "3", "--window", "4",
                      "--env-seconds", "2", "--rollouts", "2", "--repeats", "1", "--json", str(out),
                      "--out-dir", str(run_dir), "--ga3c-flags", "--agents 1 --envs-per-agent 2 --num-steps 5 "
-                     "--train-batch 1 --hidden-size 32 --ema-steps 100 --later-passes lstm --precision fp32", "--precision", "bf16", cwd=tmp_path,
-                     timeout=280)
+                     "--train-batch 1 --hidden-size 32 --ema-steps 100 --later-passes lstm --precision fp32",
+                     "--precision", "bf16", cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "PongNoFrameskip-v4_log").is_file()  # the monitor's log, where it was told to write
     res = json.loads(out.read_text())
