@@ -5,7 +5,7 @@ Two files per run in ``--save-model-dir``:
 - ``<env>.ckpt``: the full checkpoint, a dict with ``model``, ``optimizer`` (or None without a shared optimizer),
   ``optimizer_name``, ``env``, ``global_steps``, ``best_score``, ``norm_stats``, ``monitor`` and ``recent_scores``
   (the monitor's counters and last scores), ``elapsed_seconds``, ``config`` and ``format``/``version``, a
-  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``), and with ``--ema-steps`` ``average_model``, the
+  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``, ``short_games_started``), and with ``--ema-steps`` ``average_model``, the
   moving average of the weights that the monitor plays and the ``.dat`` holds (``averaging.py``).
 
 Both are written to a temporary file in the same folder and renamed over the old one, so a crash never leaves a
@@ -417,6 +417,9 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     for key in ("short_game_slots", "greedy_slots", "short_game_length"):
         if key in config and not is_count(config[key]):
             bad(f"config.{key}", "is not a count")
+    after = config.get("short_games_after_score")
+    if after is not None and not (isinstance(after, (int, float)) and not isinstance(after, bool) and finite(after)):
+        bad("config.short_games_after_score", "is not a score")
     if config.get("later_passes", "full") not in LATER_PASSES:
         bad("config.later_passes", f"is not a --later-passes value ({' or '.join(LATER_PASSES)})")
     pass_clip = config.get("pass_clip", 0.2)
@@ -426,6 +429,8 @@ def check_checkpoint(ckpt: dict, path: str | Path) -> None:
     for field in ("ga3c_updates", "ga3c_episodes"):
         if field in ckpt and not is_count(ckpt[field]):
             bad(field, "is not a count")
+    if not isinstance(ckpt.get("short_games_started", False), bool):
+        bad("short_games_started", "is not true or false")
     opt = ckpt.get("optimizer")
     if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
                                 and isinstance(opt.get("param_groups"), list)

@@ -111,8 +111,8 @@ MODE_DEFAULTS = {"ga3c": {"lr": 0.0002, "precision": "auto", "lr_anneal_steps": 
 A3G_ONLY_DESTS = ("workers", "distributed_step_size", "ray_address")  # flags only A3G mode has, None when not given
 GA3C_ONLY_DESTS = ("agents", "envs_per_agent", "predictors", "trainers", "predict_batch", "train_batch", "queue_size",
                    "replay_activations", "is_clip", "dynamic", "dynamic_max", "dynamic_seconds", "sync_every",
-                   "short_game_slots", "short_game_length", "greedy_slots", "train_passes", "pass_clip",
-                   "later_passes")
+                   "short_game_slots", "short_game_length", "short_games_after_score", "greedy_slots",
+                   "train_passes", "pass_clip", "later_passes")
 _NOT_GIVEN = object()
 
 
@@ -391,6 +391,11 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--short-game-length", type=int, default=150, metavar="STEPS",
                    help="the time limit of the --short-game-slots, in agent steps, the reset's FIRE and action 2 "
                         "included; at least 3 (default: %(default)s)")
+    g.add_argument("--short-games-after-score", type=float, default=None, metavar="SCORE",
+                   help="the --short-game-slots play whole games until the monitor's mean over its last "
+                        "--score-window games first reaches SCORE, and games cut at --short-game-length from "
+                        "their next game on: the openings practised once the rest is learned; kept in the "
+                        "checkpoint (default: none, cut from the start)")
 
 
 def validate_common(args: argparse.Namespace) -> list[str]:
@@ -809,22 +814,25 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
 
 def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
     """One line for each GA3C flag given where it would change nothing (``args._given``): ``--pass-clip`` or
-    ``--later-passes`` with one pass, ``--short-game-length`` without short-game slots, ``--dynamic-seconds`` or ``--dynamic-max`` without
-    ``--dynamic``. In A3G mode the other-mode line names them all."""
+    ``--later-passes`` with one pass, ``--short-game-length`` or ``--short-games-after-score`` without short-game
+    slots, ``--dynamic-seconds`` or ``--dynamic-max`` without ``--dynamic``. In A3G mode the other-mode line names them all."""
     given = getattr(args, "_given", ())
     if args.mode != "ga3c":
         return []
     used = {"pass_clip": args.train_passes > 1, "later_passes": args.train_passes > 1,
             "short_game_length": args.short_game_slots > 0, "dynamic_seconds": args.dynamic,
-            "dynamic_max": args.dynamic}
+            "dynamic_max": args.dynamic, "short_games_after_score": args.short_game_slots > 0}
+    after = args.short_games_after_score
     valid = {"pass_clip": 0 < args.pass_clip < 1, "short_game_length": args.short_game_length >= 3,  # else: its own
              "dynamic_seconds": 0 < args.dynamic_seconds < math.inf, "dynamic_max": True,           # line, only
-             "later_passes": True}
+             "later_passes": True, "short_games_after_score": after is not None and math.isfinite(after)}
     unused = [(flag, why) for flag, dest, why in (
         ("--pass-clip", "pass_clip", "it clips the surrogate of --train-passes 2 or more; give those too"),
         ("--later-passes", "later_passes", "it says what the passes after the first of --train-passes 2 or more "
                                            "train; give those too"),
         ("--short-game-length", "short_game_length", "it is the cut of --short-game-slots K; give that too"),
+        ("--short-games-after-score", "short_games_after_score",
+         "it says when the cut of --short-game-slots K starts; give that too"),
         ("--dynamic-seconds", "dynamic_seconds", "it is --dynamic's measuring window; give --dynamic too"),
         ("--dynamic-max", "dynamic_max", "it bounds what --dynamic tries; give --dynamic too"),
     ) if dest in given and valid[dest] and not used[dest]]
@@ -937,15 +945,21 @@ def greedy_slots_line(args: argparse.Namespace) -> str | None:
             f"games not counted as learner games")
 
 
-def short_games_line(args: argparse.Namespace) -> str | None:
-    """The start-up line for ``--short-game-slots``; None without it."""
+def short_games_line(args: argparse.Namespace, started: bool = False) -> str | None:
+    """The start-up line for ``--short-game-slots``; None without it. ``started``: the checkpoint says that
+    ``--short-games-after-score`` was reached before."""
     k = args.short_game_slots
     if args.mode != "ga3c" or k <= 0:
         return None
     n = args.agents * args.envs_per_agent
     which = f"env slot 0 of {n} plays" if k == 1 else f"env slots 0-{k - 1} of {n} play"
-    return (f"{which} games cut at {args.short_game_length} agent steps "
-            f"(--short-game-slots), not counted as learner games")
+    after = getattr(args, "short_games_after_score", None)
+    when = ("" if after is None else
+            f", from the start: the checkpoint's run reached --short-games-after-score before" if started else
+            f", once the monitor's mean over its last {args.score_window} games reaches {after:g} "
+            f"(--short-games-after-score; whole games until then)")
+    return (f"{which} games cut at {args.short_game_length} agent steps (--short-game-slots){when}, not counted "
+            f"as learner games")
 
 
 MAX_SYNC_SECONDS = 86_400

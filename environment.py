@@ -7,7 +7,8 @@ The stack, innermost first (see docs/design.md, "The environment"):
    other ids skip frames in the emulator, or, with ``see_skipped`` (``--see-skipped-frames``), are stepped one raw
    frame at a time and wrapped in ``MaxAndSkip`` with the id's own skip (fixed, or drawn from the env's RNG for a
    range such as ``X-v0``'s 2-4): the same game, with the last raw frames maxed as for ``NoFrameskip`` ids.
-2. A time limit of ``max_episode_length`` agent steps (``truncated``).
+2. A time limit of ``max_episode_length`` agent steps (``truncated``); with ``short_game=(length, switch)`` a
+   ``SwitchedTimeLimit``: ``length`` from the first real reset at which ``switch.is_set()``.
 3. ``EpisodicLife`` for learners: a lost life ends the learner's episode (``terminated``) but not the game.
 4. ``FireReset`` when the game's action 1 is FIRE (``presses_fire``).
 5. ``ProcessFrame``: crop, resize to 80x80, grayscale -> float32 (1, 80, 80) in 0..255.
@@ -377,13 +378,32 @@ class NormalizeFrame(gym.ObservationWrapper, gym.utils.RecordConstructorArgs):
         return ((observation - np.float32(mean)) / np.float32(std + 1e-8)).astype(np.float32, copy=False)
 
 
+class SwitchedTimeLimit(gym.wrappers.TimeLimit):
+    """A time limit of ``max_episode_steps`` agent steps until ``switch.is_set()`` (any object with ``is_set()``,
+    such as ``run_state.Flag``) at a real reset, then ``short_steps`` from that game on. The limit is chosen at
+    each real reset only: a game under way when the switch is set keeps its limit, and ``EpisodicLife``'s reset
+    after a lost life (a NOOP step, not a reset) changes nothing."""
+
+    def __init__(self, env: gym.Env, max_episode_steps: int, short_steps: int, switch):
+        super().__init__(env, max_episode_steps=max_episode_steps)
+        self.full_steps = max_episode_steps
+        self.short_steps = short_steps
+        self.switch = switch
+
+    def reset(self, **kwargs):
+        self._max_episode_steps = self.short_steps if self.switch.is_set() else self.full_steps
+        return super().reset(**kwargs)
+
+
 def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, skip_rate: int = 4,
-              episodic_life: bool = True, render_mode: str | None = None, see_skipped: bool = False) -> gym.Env:
+              episodic_life: bool = True, render_mode: str | None = None, see_skipped: bool = False,
+              short_game: tuple[int, Any] | None = None) -> gym.Env:
     """Build the full preprocessed stack for ``env_id`` (see module docstring).
 
     ``episodic_life`` is on for learners and off for the monitor and evaluation, which play whole games.
     ``see_skipped`` steps an id whose emulator skips frames one raw frame at a time under ``MaxAndSkip`` with the
-    id's own skip; it changes nothing for ``NoFrameskip`` ids.
+    id's own skip; it changes nothing for ``NoFrameskip`` ids. ``short_game=(length, switch)`` makes the time
+    limit a ``SwitchedTimeLimit``: ``max_episode_length`` until ``switch`` is set at a real reset, then ``length``.
     """
     spec = resolve_env_id(env_id)
     kwargs = dict(spec.make_kwargs)
@@ -398,7 +418,10 @@ def atari_env(env_id: str, env_conf: dict, *, max_episode_length: int = 10000, s
     elif see_skipped:
         env = MaxAndSkip(env, spec.frameskip, finish_skip=True)
     # agent steps (the reset's NOOPs do not count; FIRE presses and the NOOP after a lost life do)
-    env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
+    if short_game is None:
+        env = gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_length)
+    else:
+        env = SwitchedTimeLimit(env, max_episode_length, *short_game)
     if episodic_life:
         env = EpisodicLife(env)
     if presses_fire(env.unwrapped.get_action_meanings()):

@@ -488,7 +488,9 @@ def slots_change_line(saved_config: dict, args: Namespace) -> str:
         k, g = cfg.get("short_game_slots", 0), cfg.get("greedy_slots", 0)
         if k == 0 and g == 0:
             return "no short-game or greedy slots"
+        after = cfg.get("short_games_after_score")
         return " ".join(([f"--short-game-slots {k} --short-game-length {cfg.get('short_game_length', 150)}"]
+                         + ([f"--short-games-after-score {after:g}"] if after is not None else [])
                          if k else []) + ([f"--greedy-slots {g}"] if g else []))
 
     was, now = slots(saved_config), slots(vars(args))
@@ -784,8 +786,8 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (max_steps_cut_line(args), train_envs_line(args), short_games_line(args), greedy_slots_line(args),
-                 see_skipped_line(args), average_line(args)):
+    for line in (max_steps_cut_line(args), train_envs_line(args), short_games_line(args, run.short_games.is_set()),
+                 greedy_slots_line(args), see_skipped_line(args), average_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),

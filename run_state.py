@@ -170,6 +170,8 @@ class RunState:
       ``add_steps(rank, n)`` counts a worker's steps.
     - ``stop``: set by the main process (stop condition, Ctrl-C, a dead process); every process checks it.
     - ``target_reached``: set by the monitor when the mean of its last ``score_window`` games reaches the target.
+    - ``short_games``: set by the monitor when that mean first reaches ``--short-games-after-score`` (or restored
+      from a GA3C checkpoint); GA3C mode's short-game slots cut their games from their next reset on.
     - ``norm_stats (norm_rows + 1, 3)``: each environment's frame-normalisation (mean, std, count), one row per
       learner environment (``norm_rows``, default ``workers``: a worker's, or in GA3C mode an env slot's), and the
       monitor's last (``monitor_norm``). Saved in checkpoints; a run restores it whatever its number of rows.
@@ -187,6 +189,7 @@ class RunState:
         self.global_steps = StepCounter(workers)
         self.stop = Flag()
         self.target_reached = Flag()
+        self.short_games = Flag()
         rows = workers if norm_rows is None else norm_rows
         self.norm_stats = torch.zeros(rows + 1, 3, dtype=torch.float64).share_memory_()
         self.update_stats = torch.zeros(workers, len(UPDATE_FIELDS), dtype=torch.float64).share_memory_()

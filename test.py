@@ -183,6 +183,15 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 console.info(f"[monitor] target score {args.target_score:g} reached: mean {window_mean:.2f} over "
                              f"the last {run.recent.numel()} games")
                 run.target_reached.set()
+            after = getattr(args, "short_games_after_score", None)
+            if (after is not None and getattr(args, "short_game_slots", 0) > 0 and window_mean is not None
+                    and window_mean >= after and not run.short_games.is_set()):
+                k = args.short_game_slots
+                console.info(f"[monitor] --short-games-after-score {after:g} reached at {steps:,} steps: mean "
+                             f"{window_mean:.2f} over the last {run.recent.numel()} games; env slot"
+                             f"{' 0 plays' if k == 1 else f's 0-{k - 1} play'} games cut at "
+                             f"{args.short_game_length} agent steps from their next game on")
+                run.short_games.set()
             # wait for the next game: by global steps and/or seconds
             if (now_every := game_interval(args, run.recent_scores())) != interval:
                 interval = now_every

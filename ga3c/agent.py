@@ -36,8 +36,10 @@ class AtariEnvFactory:
     """Builds a learner's environment for an env slot with ``environment.atari_env`` (``episodic_life=True``).
     Slot s plays ``env_ids[s % len(env_ids)]`` (``--train-envs``), or ``env_id`` when ``env_ids`` is empty; slots
     below ``short_slots`` have the time limit ``short_length`` (``--short-game-slots``), the others
-    ``max_episode_length``; the ``greedy_slots`` after them (``--greedy-slots``, whose actions the predictor
-    picks by argmax) play whole games that are not counted as learner games either. Picklable, so it can be handed to a spawned agent process."""
+    ``max_episode_length``; with a ``short_switch`` (``--short-games-after-score``) the short slots play to
+    ``max_episode_length`` until the switch is set at a game's reset (``environment.SwitchedTimeLimit``). The
+    ``greedy_slots`` after them (``--greedy-slots``, whose actions the predictor picks by argmax) play whole games
+    that are not counted as learner games either. Picklable, so it can be handed to a spawned agent process."""
 
     env_id: str
     env_config: str | Path
@@ -49,16 +51,19 @@ class AtariEnvFactory:
     short_slots: int = 0
     short_length: int = 150
     greedy_slots: int = 0
+    short_switch: object = None  # a run_state.Flag: the short slots' cut starts once it is set
 
     @classmethod
-    def for_args(cls, args) -> "AtariEnvFactory":
-        """The factory a training run's agents use (``Ga3cRun`` builds it from the run's flags)."""
+    def for_args(cls, args, short_switch=None) -> "AtariEnvFactory":
+        """The factory a training run's agents use (``Ga3cRun`` builds it from the run's flags, and hands it the
+        run's ``short_games`` flag, which counts only with ``--short-games-after-score``)."""
         return cls(args.env, args.env_config, args.max_episode_length, args.skip_rate, seed=args.seed,
                    env_ids=tuple(getattr(args, "train_envs", None) or ()),
                    short_slots=getattr(args, "short_game_slots", 0),
                    short_length=getattr(args, "short_game_length", 150),
                    greedy_slots=getattr(args, "greedy_slots", 0),
-                   see_skipped=getattr(args, "see_skipped_frames", False))
+                   see_skipped=getattr(args, "see_skipped_frames", False),
+                   short_switch=short_switch if getattr(args, "short_games_after_score", None) is not None else None)
 
     def env_id_of(self, slot: int) -> str:
         return self.env_ids[slot % len(self.env_ids)] if self.env_ids else self.env_id
@@ -69,14 +74,18 @@ class AtariEnvFactory:
         return slot >= self.short_slots + self.greedy_slots
 
     def max_length_of(self, slot: int) -> int:
-        return self.short_length if slot < self.short_slots else self.max_episode_length
+        """Slot ``slot``'s time limit from its first game on (a switched short slot's: the whole game's)."""
+        short = slot < self.short_slots and self.short_switch is None
+        return self.short_length if short else self.max_episode_length
 
     def __call__(self, slot: int):
         from environment import atari_env, load_env_config  # here: a spawned child imports ALE only if it needs it
         env_id = self.env_id_of(slot)
+        switched = slot < self.short_slots and self.short_switch is not None
         env = atari_env(env_id, load_env_config(self.env_config, env_id),
                         max_episode_length=self.max_length_of(slot), skip_rate=self.skip_rate, episodic_life=True,
-                        see_skipped=self.see_skipped)
+                        see_skipped=self.see_skipped,
+                        short_game=(self.short_length, self.short_switch) if switched else None)
         if self.seed is not None:
             env.action_space.seed(self.seed + slot)
         return env

@@ -101,12 +101,15 @@ class Ga3cRun(Mode):
 
     def restore(self, ckpt: dict) -> None:
         self.run.restore(ckpt)
+        if ckpt.get("short_games_started"):  # --short-games-after-score was reached before: the cut goes on
+            self.run.short_games.set()
         self.counters.restore(self.run.global_steps.value, int(ckpt.get("ga3c_updates", 0)))
         self._status_updates = self.counters.version  # the status line's updates/s counts this run's updates
         self.console.resume(self.run.global_steps.value, self.counters.version, int(ckpt.get("ga3c_episodes", 0)))
 
     def snapshot(self) -> dict:
-        return {"ga3c_updates": self.counters.version, "ga3c_episodes": self.console.episodes}
+        return {"ga3c_updates": self.counters.version, "ga3c_episodes": self.console.episodes,
+                "short_games_started": self.run.short_games.is_set()}
 
     def consistent(self, copy, final: bool):
         """``copy()`` made between two optimizer steps (``StepGate.read``), waiting up to ``STEP_WAIT_SECONDS``
@@ -167,7 +170,7 @@ class Ga3cRun(Mode):
         starts = self._agent_starts.get(a, 0)
         self._agent_starts[a] = starts + 1
         seed = a_args.seed + starts * self.max_agents * self.k
-        factory = dataclasses.replace(AtariEnvFactory.for_args(a_args), seed=seed)
+        factory = dataclasses.replace(AtariEnvFactory.for_args(a_args, self.run.short_games), seed=seed)
         assert not self._holds_slots(a), f"agent {a} started while its retired process holds its slots"
         self.retire[a].clear()
         self.run.ready[a] = 0

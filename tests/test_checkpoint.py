@@ -286,6 +286,49 @@ def test_a_ga3c_run_hands_its_step_gate_to_the_server_and_the_monitor(tmp_path, 
     assert started["ga3c server"][5] is mode.counters and started["monitor"][-1] is mode.counters.gate
 
 
+def test_the_short_games_switch_reaches_the_agents_and_the_monitor_and_is_kept_in_the_checkpoint(tmp_path,
+                                                                                                  monkeypatch):
+    """``--short-games-after-score``: ``Ga3cRun.launch`` hands every agent a factory holding the run's
+    ``short_games`` flag and the monitor (which sets it) that run state; ``save`` writes whether it is set, the
+    written checkpoint passes ``check_checkpoint``, and ``restore`` sets it again in the resumed run only where it
+    was set."""
+    import logging
+    import multiprocessing as mp
+
+    import lifeline
+    from checkpoint import check_checkpoint
+    from ga3c.run import Ga3cRun
+    args = build_parser().parse_args(["--agents", "2", "--envs-per-agent", "2", "--hidden-size", "32",
+                                      "--short-game-slots", "1", "--short-games-after-score", "19",
+                                      "--save-model-dir", str(tmp_path / "m"), "--log-dir", str(tmp_path / "l")])
+    assert validate(args) == []
+    (tmp_path / "m").mkdir()
+    (tmp_path / "l").mkdir()
+    model, opt, _ = trained(args)
+    mode = Ga3cRun(args, model, opt, logging.getLogger("test_checkpoint"))
+    started = {}
+    monkeypatch.setattr(lifeline, "mark_children", lambda: None)
+    monkeypatch.setattr(mode, "_start", lambda role, target, target_args: started.setdefault(role, target_args))
+    mode.launch(mp.get_context("spawn"))
+    for a in (0, 1):
+        factory = started[f"ga3c agent {a}"][3]
+        assert factory.short_switch is mode.run.short_games and factory.short_slots == 1
+    assert started["monitor"][2] is mode.run
+    saved = []
+    for switched in (False, True):
+        if switched:
+            mode.run.short_games.set()
+        path = mode.save(1.0, final=True)
+        ckpt = read_weights(path)
+        check_checkpoint(ckpt, path)
+        assert ckpt["short_games_started"] is switched and ckpt["config"]["short_games_after_score"] == 19
+        saved.append(ckpt)
+    for ckpt, switched in zip(saved, (False, True)):
+        resumed = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=None)
+        resumed.restore(ckpt)
+        assert resumed.run.short_games.is_set() is switched
+
+
 @pytest.mark.parametrize("mode_name", ["a3g", "ga3c"])
 def test_the_finiteness_check_reads_copies_not_the_live_shared_tensors(tmp_path, monkeypatch, mode_name):
     """``torch.isfinite`` reads each value twice; on the live shared Adam statistics while a trainer stepped them

@@ -233,7 +233,15 @@ def test_with_dynamic_the_train_batch_and_the_warning_count_the_most_agents_it_m
     (["--agents", "2", "--envs-per-agent", "4", "--short-game-slots", "3", "--dynamic"], []),
     (["--short-game-length", "0"], ["--short-game-length must be >= 3 (the reset's FIRE and action 2 count in it), "
                                     "got 0"]),
-    (["--mode", "a3g", "--short-game-slots", "1"], ["--short-game-slots: only GA3C mode has it"])])
+    (["--mode", "a3g", "--short-game-slots", "1"], ["--short-game-slots: only GA3C mode has it"]),
+    (["--short-games-after-score", "19"], ["--short-games-after-score changes nothing here: it says when the cut of "
+                                           "--short-game-slots K starts; give that too, or leave it out"]),
+    (["--short-game-slots", "2", "--short-games-after-score", "19"], []),
+    (["--short-game-slots", "2", "--short-games-after-score", "-21.5"], []),
+    (["--short-game-slots", "2", "--short-games-after-score", "nan"],
+     ["--short-games-after-score must be a finite number, got nan"]),
+    (["--short-games-after-score", "inf"], ["--short-games-after-score must be a finite number, got inf"]),
+    (["--mode", "a3g", "--short-games-after-score", "19"], ["--short-games-after-score: only GA3C mode has it"])])
 def test_short_game_flags_are_checked(argv, want):
     errors = validate(parse(*argv))
     assert [e.split(", and this command")[0] if "only GA3C" in e else e for e in errors] == want, errors
@@ -393,6 +401,14 @@ def test_the_start_up_line_names_the_short_game_slots():
                                                          "(--short-game-slots), not counted as learner games")
     a = parse("--agents", "1", "--envs-per-agent", "4", "--short-game-slots", "1", "--short-game-length", "90")
     assert validate(a) == [] and short_games_line(a).startswith("env slot 0 of 4 plays games cut at 90 agent steps")
+    a = parse("--agents", "2", "--envs-per-agent", "8", "--short-game-slots", "2", "--short-games-after-score", "19")
+    assert validate(a) == [] and short_games_line(a) == (
+        "env slots 0-1 of 16 play games cut at 150 agent steps (--short-game-slots), once the monitor's mean over "
+        "its last 10 games reaches 19 (--short-games-after-score; whole games until then), not counted as learner "
+        "games")
+    assert short_games_line(a, started=True) == (
+        "env slots 0-1 of 16 play games cut at 150 agent steps (--short-game-slots), from the start: the "
+        "checkpoint's run reached --short-games-after-score before, not counted as learner games")
 
 
 @pytest.mark.parametrize("flag, limit, extra", [

@@ -229,3 +229,57 @@ def test_short_game_slots_cut_their_games_and_leave_them_out_of_the_learner_game
     assert len(ends) == len(short) >= 5 and all(len(seg.actions) == 5 for seg in ends)
     assert not any(seg.truncated or seg.terminated for seg in whole) and sum(len(s.actions) for s in whole) >= 50
     assert stepper.games == 0 and episodes.read_new() == []
+
+
+def test_short_games_after_score_cut_the_short_slot_from_its_first_game_after_the_switch(env_config):
+    """``--short-game-slots 1 --short-game-length 7 --short-games-after-score 19`` with whole games cut at 40 agent
+    steps, on the objects a run builds: the agents' factory with the run's ``short_games`` flag
+    (``Ga3cRun._start_agent``), handed to a spawned agent process. Slot 0 plays whole games (38 learner steps
+    after the reset's FIRE and action 2) until the flag is set from this process in the middle of its second
+    game; that game runs to 38 and every later one is cut at 5. Slot 1 plays 38-step games throughout."""
+    from config import build_parser, validate
+    from run_state import RunState
+
+    args = build_parser().parse_args(["--env", ENV, "--agents", "1", "--envs-per-agent", "2", "--short-game-slots",
+                                      "1", "--short-game-length", "7", "--short-games-after-score", "19",
+                                      "--max-episode-length", "40", "--seed", "4", "--env-config", env_config])
+    assert validate(args) == []
+    run = RunState(3, norm_rows=2)
+    factory = AtariEnvFactory.for_args(args, run.short_games)
+    assert factory.short_switch is run.short_games and factory.max_length_of(0) == 40
+    buffers, counters, errors = EnvSlots(2), Ga3cCounters(1, 1, 1), ErrorBoard(1)
+    segments = []
+    pred = Predictor(shared_model(0), buffers, range(2), SlotStates(2, H), num_steps=5, predict_batch=8,
+                     counters=counters, sink=segments.append, seed=0)
+    p = mp.get_context("spawn").Process(target=agent_process, args=(0, [0, 1], buffers, factory, run.stop, counters,
+                                                                     None, args.seed, errors, 0))
+    p.start()
+
+    def games(slot):  # learner steps of each finished game of ``slot``, and of the one under way
+        done, now = [], 0
+        for seg in (s for s in segments if s.slot == slot):
+            now += len(seg.actions)
+            if seg.truncated or seg.terminated:
+                done.append(now)
+                now = 0
+        return done, now
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not run.short_games.is_set():
+            pred.step()
+            done, now = games(0)
+            if len(done) == 1 and now >= 10:  # the second game is past the short cut: it must not be cut
+                run.short_games.set()
+        while time.monotonic() < deadline and len(games(0)[0]) < 6:
+            pred.step()
+    finally:
+        run.stop.set()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert errors.read_all() == [] and p.exitcode == 0
+    done = games(0)[0]
+    assert done[:2] == [38, 38] and len(done) >= 6 and set(done[2:]) == {5}, done
+    assert set(games(1)[0]) == {38} and len(games(1)[0]) >= 2

@@ -126,6 +126,29 @@ def test_short_game_slots_in_a_run_are_logged_and_left_out_of_the_learner_games(
     assert ckpt["ga3c_episodes"] == len(lengths) and ckpt["config"]["short_game_slots"] == 1
 
 
+@pytest.mark.slow  # two whole runs (10 s); the switch itself is tested without one
+def test_short_games_after_score_in_a_run_is_logged_switched_by_the_monitor_and_resumed(tmp_path):
+    """``--short-game-slots 1 --short-games-after-score -1000``: the start-up line says when the cut starts, the
+    monitor's mean over 2 games reaches it (and the run's --target-score, so the run stops there), the monitor
+    says so, and the checkpoint keeps the switch; a resume with --load starts with the cut, and says why."""
+    flags = ["--short-game-slots", "1", "--short-game-length", "10", "--short-games-after-score", "-1000"]
+    r = run_entry("main.py", *GA3C, *COMMON, "2", *flags, *dirs(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("env slot 0 of 4 plays games cut at 10 agent steps (--short-game-slots), once the monitor's mean over "
+            "its last 2 games reaches -1000 (--short-games-after-score; whole games until then)") in r.stdout
+    assert re.search(r"\[monitor\] --short-games-after-score -1000 reached at [\d,]+ steps: mean -?\d+\.\d\d over "
+                     r"the last 2 games; env slot 0 plays games cut at 10 agent steps from their next game on",
+                     r.stdout), r.stdout[-3000:]
+    ckpt = torch.load(tmp_path / "models" / f"{ENV_ID}.ckpt", weights_only=True)
+    assert ckpt["short_games_started"] is True and ckpt["config"]["short_games_after_score"] == -1000
+    r = run_entry("main.py", *GA3C, *COMMON, "2", *flags, *dirs(tmp_path), "--load", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("env slot 0 of 4 plays games cut at 10 agent steps (--short-game-slots), from the start: the "
+            "checkpoint's run reached --short-games-after-score before") in r.stdout
+    assert "--short-games-after-score -1000 reached" not in r.stdout  # set once, by the first run
+    assert torch.load(tmp_path / "models" / f"{ENV_ID}.ckpt", weights_only=True)["short_games_started"] is True
+
+
 @pytest.mark.slow  # a whole run (5 s); the slots themselves are tested without one
 def test_greedy_slots_in_a_run_are_logged_trained_on_and_left_out_of_the_learner_games(tmp_path):
     """``--greedy-slots 1`` after ``--short-game-slots 1`` (4 env slots): the start-up log names slot 1, the run

@@ -81,7 +81,7 @@ def test_a_ga3c_run_resumed_from_a_checkpoint_reports_its_own_rates_and_saves_th
     run.episodes.record(0, -20.0, 800, when=1005.0)
     run.tick(1010.0)
     assert run.log == [format_stats_line(10, 301, -20.0, -20.0, 80, 200, 2, 0, 0, 0)]  # nothing launched
-    assert run.snapshot() == {"ga3c_updates": 6_025, "ga3c_episodes": 301}
+    assert run.snapshot() == {"ga3c_updates": 6_025, "ga3c_episodes": 301, "short_games_started": False}
     line, scalars = run.status(rate=200.0, span=10.0)  # the status line's updates/s: this run's 25 in 10 s
     assert scalars["charts/updates_per_s"] == pytest.approx(2.5) and "updates 6,025 (2.5/s)" in line, line
 

@@ -934,6 +934,16 @@ def test_a_resumed_ga3c_checkpoint_with_other_train_passes_is_named(saved, argv,
      ["--greedy-slots", "2", "--train-passes", "1"],
      "the checkpoint was trained with no short-game or greedy slots; this run goes on with --greedy-slots 2"),
     ({"mode": "a3g"}, ["--greedy-slots", "2", "--train-passes", "1"], ""),  # the mode line says it
+    ({"mode": "ga3c", "short_game_slots": 0, "short_game_length": 150, "greedy_slots": 0},
+     ["--short-game-slots", "2", "--short-games-after-score", "19"],
+     "the checkpoint was trained with no short-game or greedy slots; this run goes on with --short-game-slots 2 "
+     "--short-game-length 150 --short-games-after-score 19"),
+    ({"mode": "ga3c", "short_game_slots": 2, "short_game_length": 150, "greedy_slots": 0,
+      "short_games_after_score": 19.0}, ["--short-game-slots", "2", "--short-games-after-score", "19"], ""),
+    ({"mode": "ga3c", "short_game_slots": 2, "short_game_length": 150, "greedy_slots": 0,
+      "short_games_after_score": 19.0}, ["--short-game-slots", "2"],
+     "the checkpoint was trained with --short-game-slots 2 --short-game-length 150 --short-games-after-score 19; "
+     "this run goes on with --short-game-slots 2 --short-game-length 150"),
 ])
 def test_a_resumed_ga3c_checkpoint_with_other_short_game_or_greedy_slots_is_named(saved, argv, line):
     from config import build_parser, validate
@@ -951,6 +961,9 @@ def test_a_resumed_ga3c_checkpoint_with_other_short_game_or_greedy_slots_is_name
     ({"short_game_slots": "1"}, "config.short_game_slots"), ({"greedy_slots": -1}, "config.greedy_slots"),
     ({"short_game_length": 1.5}, "config.short_game_length"),
     ({"later_passes": "conv"}, "config.later_passes"), ({"later_passes": None}, "config.later_passes"),
+    ({"short_games_after_score": "19"}, "config.short_games_after_score"),
+    ({"short_games_after_score": float("inf")}, "config.short_games_after_score"),
+    ({"short_games_after_score": True}, "config.short_games_after_score"),
 ])
 def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, field, tmp_path):
     """The resume's train_passes_change_line reads these two flags from the checkpoint: a damaged value is the
@@ -960,8 +973,20 @@ def test_a_checkpoint_with_damaged_train_passes_is_refused_in_one_line(config, f
     with pytest.raises(ModelFileError, match=f"'{field}' is not a"):
         check_checkpoint({**base, "config": {"mode": "ga3c", **config}}, tmp_path / "x.ckpt")
     check_checkpoint({**base, "config": {"mode": "ga3c", "train_passes": 3, "pass_clip": 0.1, "short_game_slots": 2,
-                                         "short_game_length": 150, "greedy_slots": 1, "later_passes": "lstm"}},
-                     tmp_path / "x.ckpt")
+                                         "short_game_length": 150, "greedy_slots": 1, "later_passes": "lstm",
+                                         "short_games_after_score": -20.5}}, tmp_path / "x.ckpt")
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_checkpoint_whose_short_games_switch_is_not_true_or_false_is_refused_in_one_line(value, tmp_path):
+    """``Ga3cRun.restore`` sets the run's switch from ``short_games_started``: anything but a bool is the
+    damaged-checkpoint line; True, False and no field pass."""
+    from checkpoint import CHECKPOINT_FORMAT, ModelFileError, check_checkpoint
+    base = {"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(1)}}
+    with pytest.raises(ModelFileError, match="'short_games_started' is not true or false"):
+        check_checkpoint({**base, "short_games_started": value}, tmp_path / "x.ckpt")
+    for ok in ({"short_games_started": True}, {"short_games_started": False}, {}):
+        check_checkpoint({**base, **ok}, tmp_path / "x.ckpt")
 
 
 @pytest.mark.parametrize("ckpt,argv,why", [

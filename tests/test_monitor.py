@@ -44,11 +44,13 @@ def test_confirm_every_steps_default_and_bad_values():
         assert line in validate(build_parser().parse_args(["--confirm-every-steps", value]))
 
 
-def play_scripted(tmp_path, monkeypatch, scores, flags, window=3, shared_model=None, after_game=None):
+def play_scripted(tmp_path, monkeypatch, scores, flags, window=3, shared_model=None, after_game=None,
+                  switched=None):
     """Runs ``run_monitor`` on games that score ``scores`` in turn; while it waits for the next game, each of its
     sleeps advances the global step count by 500. Returns the global steps at which each game started, the
     monitor's console lines, and whether ``run.target_reached`` was set at each game's start; the loop ends at the
-    start of the game after the last score. ``after_game(n)`` is called at the end of game n (from 1)."""
+    start of the game after the last score. ``after_game(n)`` is called at the end of game n (from 1); a
+    ``switched`` list gets whether ``run.short_games`` was set at each game's start."""
     args = build_parser().parse_args(["--hidden-size", "32", "--score-window", str(window), "--log-dir",
                                       str(tmp_path / "logs"), "--save-model-dir", str(tmp_path / "models"), *flags])
     assert validate(args) == []
@@ -60,6 +62,8 @@ def play_scripted(tmp_path, monkeypatch, scores, flags, window=3, shared_model=N
     def game(model, env, device, seed=None, should_stop=None, **kw):
         starts.append(run.global_steps.value)
         reached.append(run.target_reached.is_set())
+        if switched is not None:
+            switched.append(run.short_games.is_set())
         if len(starts) > len(scores):
             run.stop.set()
             return 0.0, 1, False
@@ -118,6 +122,31 @@ def test_a_mean_just_below_the_target_does_not_stop_the_run(tmp_path, monkeypatc
     _, _, reached = play_scripted(tmp_path, monkeypatch, [20.0, 20.0, 19.0, 21.0],
                                   ["--target-score", "20", "--confirm-every-steps", "3000"])
     assert reached == [False, False, False, False, True]  # 19.67 after game 3; 20.0 after game 4
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--short-game-slots", "2", "--short-games-after-score", "19"], [False] * 4 + [True] * 5),
+    (["--short-game-slots", "1", "--short-games-after-score", "-21"], [False] * 3 + [True] * 6),
+    (["--short-game-slots", "2"], [False] * 9),  # cut from the start: the agents' factory has no switch
+    (["--short-game-slots", "2", "--short-games-after-score", "21.5"], [False] * 9),
+])
+def test_the_monitor_sets_the_short_games_switch_once_its_mean_first_reaches_the_score(tmp_path, monkeypatch, flags,
+                                                                                       want):
+    """Window 3: the mean reaches 19 at game 4 (exactly: at equality), and -21 at game 3 (the first full window,
+    5.67); the switch is set at the end of that game, with one line, and stays set when the mean falls again."""
+    switched = []
+    _, lines, _ = play_scripted(tmp_path, monkeypatch, [-21.0, 19.0, 19.0, 19.0, 21.0, 19.0, -21.0, -21.0],
+                                flags, switched=switched)
+    assert switched == want
+    said = [line for line in lines if "--short-games-after-score" in line]
+    if True not in want:
+        assert said == []
+    elif flags[1] == "2":
+        assert said == ["[monitor] --short-games-after-score 19 reached at 60,000 steps: mean 19.00 over the last 3 "
+                        "games; env slots 0-1 play games cut at 150 agent steps from their next game on"]
+    else:
+        assert said == ["[monitor] --short-games-after-score -21 reached at 40,000 steps: mean 5.67 over the last "
+                        "3 games; env slot 0 plays games cut at 150 agent steps from their next game on"]
 
 
 def test_weights_gone_nan_end_the_monitor_before_a_game_and_keep_the_last_model_file(tmp_path, monkeypatch):
