@@ -5,8 +5,9 @@ Two files per run in ``--save-model-dir``:
 - ``<env>.ckpt``: the full checkpoint, a dict with ``model``, ``optimizer`` (or None without a shared optimizer),
   ``optimizer_name``, ``env``, ``global_steps``, ``best_score``, ``norm_stats``, ``monitor`` and ``recent_scores``
   (the monitor's counters and last scores), ``elapsed_seconds``, ``config`` and ``format``/``version``, a
-  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``, ``short_games_started``), and with ``--ema-steps`` ``average_model``, the
-  moving average of the weights that the monitor plays and the ``.dat`` holds (``averaging.py``).
+  mode's own fields (GA3C: ``ga3c_updates``, ``ga3c_episodes``, ``short_games_started``), and with
+  ``--ema-steps`` ``average_model``, the moving average of the weights that the monitor plays and the ``.dat``
+  holds (``averaging.py``).
 
 Both are written to a temporary file in the same folder and renamed over the old one, so a crash never leaves a
 half-written file in their place; a temporary file left by a process killed mid-write is removed by the next run

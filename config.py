@@ -392,10 +392,10 @@ def add_ga3c_flags(p: argparse.ArgumentParser) -> None:
                    help="the time limit of the --short-game-slots, in agent steps, the reset's FIRE and action 2 "
                         "included; at least 3 (default: %(default)s)")
     g.add_argument("--short-games-after-score", type=float, default=None, metavar="SCORE",
-                   help="the --short-game-slots play whole games until the monitor's mean over its last "
-                        "--score-window games first reaches SCORE, and games cut at --short-game-length from "
-                        "their next game on: the openings practised once the rest is learned; kept in the "
-                        "checkpoint (default: none, cut from the start)")
+                   help="the --short-game-slots play whole games (not counted as learner games either) until "
+                        "the monitor's mean over its last --score-window games first reaches SCORE, and games cut "
+                        "at --short-game-length from their next game on: the openings practised once the rest is "
+                        "learned; kept in the checkpoint (default: none, cut from the start)")
 
 
 def validate_common(args: argparse.Namespace) -> list[str]:
@@ -815,7 +815,8 @@ def validate_ga3c(args: argparse.Namespace) -> list[str]:
 def unused_ga3c_flags(args: argparse.Namespace) -> list[str]:
     """One line for each GA3C flag given where it would change nothing (``args._given``): ``--pass-clip`` or
     ``--later-passes`` with one pass, ``--short-game-length`` or ``--short-games-after-score`` without short-game
-    slots, ``--dynamic-seconds`` or ``--dynamic-max`` without ``--dynamic``. In A3G mode the other-mode line names them all."""
+    slots, ``--dynamic-seconds`` or ``--dynamic-max`` without ``--dynamic``. In A3G mode the other-mode line names
+    them all."""
     given = getattr(args, "_given", ())
     if args.mode != "ga3c":
         return []
@@ -945,9 +946,10 @@ def greedy_slots_line(args: argparse.Namespace) -> str | None:
             f"games not counted as learner games")
 
 
-def short_games_line(args: argparse.Namespace, started: bool = False) -> str | None:
-    """The start-up line for ``--short-game-slots``; None without it. ``started``: the checkpoint says that
-    ``--short-games-after-score`` was reached before."""
+def short_games_line(args: argparse.Namespace, started: float | None = None) -> str | None:
+    """The start-up line for ``--short-game-slots``; None without it. ``started``: the
+    ``--short-games-after-score`` that the checkpoint's run reached, where this run goes on cutting from the start
+    (``ga3c.run.short_games_go_on``)."""
     k = args.short_game_slots
     if args.mode != "ga3c" or k <= 0:
         return None
@@ -955,7 +957,8 @@ def short_games_line(args: argparse.Namespace, started: bool = False) -> str | N
     which = f"env slot 0 of {n} plays" if k == 1 else f"env slots 0-{k - 1} of {n} play"
     after = getattr(args, "short_games_after_score", None)
     when = ("" if after is None else
-            f", from the start: the checkpoint's run reached --short-games-after-score before" if started else
+            f", from the start: the checkpoint's run reached its --short-games-after-score "
+            f"{started:g}" if started is not None else
             f", once the monitor's mean over its last {args.score_window} games reaches {after:g} "
             f"(--short-games-after-score; whole games until then)")
     return (f"{which} games cut at {args.short_game_length} agent steps (--short-game-slots){when}, not counted "

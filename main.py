@@ -497,6 +497,14 @@ def slots_change_line(saved_config: dict, args: Namespace) -> str:
     return "" if was == now else f"the checkpoint was trained with {was}; this run goes on with {now}"
 
 
+def started_short_games(resume_ckpt: dict | None, run) -> float | None:
+    """The ``--short-games-after-score`` that the resumed checkpoint's run reached, where this run's short-game slots
+    cut from the start (the switch restored: ``ga3c.run.short_games_go_on``); None otherwise."""
+    if resume_ckpt is None or not run.short_games.is_set():
+        return None
+    return (resume_ckpt.get("config") or {}).get("short_games_after_score")
+
+
 def start_average(args: Namespace, shared_model: A3Clstm, resume_ckpt: dict | None, resume_path: Path | None,
                   log) -> A3Clstm | None:
     """The moving average of the weights (``--ema-steps``; None without it), in shared memory: a resumed
@@ -786,8 +794,9 @@ def run_training(args: Namespace, argv: list[str], stop: lifeline.StopSignals, n
                  f"{args.max_seconds:g} s" if args.max_seconds else "",
                  f"mean score {args.target_score:g}" if args.target_score is not None else "",
                  "Ctrl-C"] if s))
-    for line in (max_steps_cut_line(args), train_envs_line(args), short_games_line(args, run.short_games.is_set()),
-                 greedy_slots_line(args), see_skipped_line(args), average_line(args)):
+    for line in (max_steps_cut_line(args), train_envs_line(args),
+                 short_games_line(args, started_short_games(resume_ckpt, run)), greedy_slots_line(args),
+                 see_skipped_line(args), average_line(args)):
         if line:
             log.info(line)
     for what, start, anneal in (("learning rate", args.lr, args.lr_anneal_steps),

@@ -179,10 +179,6 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                 atomic_save(cpu_state_dict(model), model_path(args.save_model_dir, args.env))  # checked finite
             m, s, n = normalizer(env).get_stats()
             run.norm_stats[run.monitor_norm] = torch.tensor([m, s, float(n)], dtype=torch.float64)
-            if args.target_score is not None and window_mean is not None and window_mean >= args.target_score:
-                console.info(f"[monitor] target score {args.target_score:g} reached: mean {window_mean:.2f} over "
-                             f"the last {run.recent.numel()} games")
-                run.target_reached.set()
             after = getattr(args, "short_games_after_score", None)
             if (after is not None and getattr(args, "short_game_slots", 0) > 0 and window_mean is not None
                     and window_mean >= after and not run.short_games.is_set()):
@@ -192,6 +188,10 @@ def run_monitor(args: Namespace, shared_model: A3Clstm, run: RunState, device: t
                              f"{' 0 plays' if k == 1 else f's 0-{k - 1} play'} games cut at "
                              f"{args.short_game_length} agent steps from their next game on")
                 run.short_games.set()
+            if args.target_score is not None and window_mean is not None and window_mean >= args.target_score:
+                console.info(f"[monitor] target score {args.target_score:g} reached: mean {window_mean:.2f} over "
+                             f"the last {run.recent.numel()} games")
+                run.target_reached.set()
             # wait for the next game: by global steps and/or seconds
             if (now_every := game_interval(args, run.recent_scores())) != interval:
                 interval = now_every

@@ -41,6 +41,15 @@ from run_state import Flag, RunState
 STEP_WAIT_SECONDS = 10.0  # a periodic checkpoint waits this long at most for a moment between two optimizer steps
 
 
+def short_games_go_on(ckpt: dict, args: Namespace) -> bool:
+    """Whether a resumed run's short-game slots cut from the start: its checkpoint's run reached its
+    ``--short-games-after-score`` (``short_games_started``), and this run's is no higher (a higher one waits for
+    the monitor's mean again)."""
+    saved = (ckpt.get("config") or {}).get("short_games_after_score")
+    now = getattr(args, "short_games_after_score", None)
+    return bool(ckpt.get("short_games_started")) and saved is not None and now is not None and now <= saved
+
+
 class Ga3cRun(Mode):
     """One GA3C run's shared state and processes (see the module docstring); ``main.run_training`` drives it
     through ``modes.Mode``, whose defaults it keeps for ``errors`` and ``release``."""
@@ -73,7 +82,7 @@ class Ga3cRun(Mode):
         self.console = ConsoleStats(time.time(), window=console_window)
         # --train-envs with several ids: each one's learner games, since the console line averages over all
         self.scores_by_id = ScoresById() if len(set(getattr(args, "train_envs", None) or ())) > 1 else None
-        self._slot_env = AtariEnvFactory.for_args(args)  # what each slot plays: the factory the agents get
+        self._slot_env = AtariEnvFactory.for_args(args)  # which id each slot plays (env_id_of), as the agents do
         self.results = None
         self.adjuster = None
         if args.dynamic:
@@ -101,7 +110,7 @@ class Ga3cRun(Mode):
 
     def restore(self, ckpt: dict) -> None:
         self.run.restore(ckpt)
-        if ckpt.get("short_games_started"):  # --short-games-after-score was reached before: the cut goes on
+        if short_games_go_on(ckpt, self.args):
             self.run.short_games.set()
         self.counters.restore(self.run.global_steps.value, int(ckpt.get("ga3c_updates", 0)))
         self._status_updates = self.counters.version  # the status line's updates/s counts this run's updates

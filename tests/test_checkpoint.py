@@ -290,8 +290,8 @@ def test_the_short_games_switch_reaches_the_agents_and_the_monitor_and_is_kept_i
                                                                                                   monkeypatch):
     """``--short-games-after-score``: ``Ga3cRun.launch`` hands every agent a factory holding the run's
     ``short_games`` flag and the monitor (which sets it) that run state; ``save`` writes whether it is set, the
-    written checkpoint passes ``check_checkpoint``, and ``restore`` sets it again in the resumed run only where it
-    was set."""
+    written checkpoint passes ``check_checkpoint``, and ``restore`` sets it again only where it was set and the
+    resumed run's score is no higher than the one reached."""
     import logging
     import multiprocessing as mp
 
@@ -323,10 +323,15 @@ def test_the_short_games_switch_reaches_the_agents_and_the_monitor_and_is_kept_i
         check_checkpoint(ckpt, path)
         assert ckpt["short_games_started"] is switched and ckpt["config"]["short_games_after_score"] == 19
         saved.append(ckpt)
-    for ckpt, switched in zip(saved, (False, True)):
-        resumed = Ga3cRun(args, A3Clstm(1, 6, 32), None, log=None)
-        resumed.restore(ckpt)
-        assert resumed.run.short_games.is_set() is switched
+    # resumed with the same score, a lower one, a higher one (which waits for the monitor again), or none
+    for flags, goes_on in ((["--short-games-after-score", "19"], True), (["--short-games-after-score", "18.5"], True),
+                           (["--short-games-after-score", "19.5"], False), ([], False)):
+        again = build_parser().parse_args(["--agents", "2", "--envs-per-agent", "2", "--hidden-size", "32",
+                                           "--short-game-slots", "1", *flags])
+        for ckpt, switched in zip(saved, (False, True)):
+            resumed = Ga3cRun(again, A3Clstm(1, 6, 32), None, log=None)
+            resumed.restore(ckpt)
+            assert resumed.run.short_games.is_set() is (switched and goes_on), (flags, switched)
 
 
 @pytest.mark.parametrize("mode_name", ["a3g", "ga3c"])

@@ -406,9 +406,9 @@ def test_the_start_up_line_names_the_short_game_slots():
         "env slots 0-1 of 16 play games cut at 150 agent steps (--short-game-slots), once the monitor's mean over "
         "its last 10 games reaches 19 (--short-games-after-score; whole games until then), not counted as learner "
         "games")
-    assert short_games_line(a, started=True) == (
+    assert short_games_line(a, started=19.5) == (
         "env slots 0-1 of 16 play games cut at 150 agent steps (--short-game-slots), from the start: the "
-        "checkpoint's run reached --short-games-after-score before, not counted as learner games")
+        "checkpoint's run reached its --short-games-after-score 19.5, not counted as learner games")
 
 
 @pytest.mark.parametrize("flag, limit, extra", [

@@ -191,6 +191,35 @@ def test_episodic_life_semantics():
     assert inner.resets == 3  # a reset mid-game (or seeded) is a real one
 
 
+def test_a_switched_time_limit_changes_only_at_a_real_reset():
+    """``SwitchedTimeLimit`` under ``EpisodicLife`` (the learners' stack), limits 100 and 4, a life lost every 3
+    steps: the switch set after the first lost life leaves that game whole (the reset after a lost life is a NOOP
+    step, not a reset), and the next real game is cut at 4. There the NOOP step after a lost life is the 4th:
+    the cut ends the game inside that reset, which is then a real one, under the same short limit."""
+    from run_state import Flag
+    switch = Flag()
+    inner = FakeAtari(life_every=3, lives=3)
+    env = EpisodicLife(environment.SwitchedTimeLimit(inner, 100, 4, switch))
+    env.reset()
+    ends = [env.step(0)[2:4] for _ in range(3)]
+    assert ends[-1] == (True, False)  # a life lost, under the long limit
+    switch.set()
+    env.reset()
+    assert inner.resets == 1
+    steps = [env.step(0) for _ in range(5)]  # the NOOP made 4 steps; 5 more: game over at 9, never cut at 4
+    assert [s[3] for s in steps] == [False] * 5 and steps[-1][2] and steps[-1][4]["game_over"] and inner.t == 9
+    env.reset()
+    assert inner.resets == 2
+    assert [env.step(0)[2:4] for _ in range(3)] == [(False, False), (False, False), (True, False)]
+    _, info = env.reset()  # the NOOP step is the 4th: truncated, so the reset is a real one
+    assert inner.resets == 3 and info["game_cut"] is True
+    assert [env.step(0)[2:4] for _ in range(3)] == [(False, False), (False, False), (True, False)]
+    switch.clear()
+    _, info = env.reset()  # the cut again; the real reset reads the cleared switch: the long limit
+    assert inner.resets == 4 and info["game_cut"] is True
+    assert [env.step(0)[3] for _ in range(4)] == [False] * 4
+
+
 def learner_episode_ends(env_id: str, action: int, steps: int) -> list[tuple[int, int, bool]]:
     """``(agent step, lives after it, game over)`` for every learner episode end (``terminated``) in ``steps``
     agent steps of ``env_id``'s learner stack from seed 0, holding ``action`` (the reset after each end as a

@@ -144,7 +144,7 @@ def test_short_games_after_score_in_a_run_is_logged_switched_by_the_monitor_and_
     r = run_entry("main.py", *GA3C, *COMMON, "2", *flags, *dirs(tmp_path), "--load", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert ("env slot 0 of 4 plays games cut at 10 agent steps (--short-game-slots), from the start: the "
-            "checkpoint's run reached --short-games-after-score before") in r.stdout
+            "checkpoint's run reached its --short-games-after-score -1000, not counted") in r.stdout
     assert "--short-games-after-score -1000 reached" not in r.stdout  # set once, by the first run
     assert torch.load(tmp_path / "models" / f"{ENV_ID}.ckpt", weights_only=True)["short_games_started"] is True
 
